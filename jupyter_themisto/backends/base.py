@@ -1,0 +1,103 @@
+"""The Predictor interface every backend implements, and the errors backends raise."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from ..context import PredictionContext
+    from ..store import TrajectoryStore
+
+
+@dataclass
+class NextCellChunk:
+    """A piece of a streamed next-cell suggestion.
+
+    Suggestions are numbered by rank (`index` 0 is the best). A backend streams text for a
+    suggestion as deltas to append; the chunk with `done=True` closes that suggestion.
+    """
+
+    index: int
+    text: str
+    done: bool = False
+    score: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OutputChunk:
+    """A piece of a streamed output prediction: text to append to the predicted output."""
+
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BackendEnv:
+    """What the host (server or CLI) lends a backend: all optional, backends must cope."""
+
+    store: TrajectoryStore | None = None
+    kernel_manager: Any = None
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("jupyter_themisto"))
+
+
+class BackendError(Exception):
+    """The backend failed in a way the person can act on; served as HTTP 502."""
+
+    status = 502
+
+
+class BackendTimeout(BackendError):
+    """The backend took longer than allowed; served as HTTP 504."""
+
+    status = 504
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot work here (missing package, model, key); served as HTTP 503."""
+
+    status = 503
+
+
+class NoPrediction(Exception):  # noqa: N818 - a normal outcome, not an error
+    """The backend honestly has nothing to predict for this request (with the reason)."""
+
+
+class Predictor:
+    """A prediction backend.
+
+    Subclasses set `name` and `description`, and override `predict_next_cell` and/or
+    `predict_output`. `config` holds the backend's own settings (from the server's traitlets
+    config or the CLI); secrets in it must never be logged or returned.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    #: which tasks the backend serves: "next-cell", "output"
+    tasks: ClassVar[tuple[str, ...]] = ("next-cell", "output")
+
+    def __init__(self, config: dict[str, Any] | None = None, env: BackendEnv | None = None):
+        self.config = dict(config or {})
+        self.env = env or BackendEnv()
+
+    async def predict_next_cell(
+        self, ctx: PredictionContext, *, n: int = 1
+    ) -> AsyncIterator[NextCellChunk]:
+        """Stream up to `n` ranked suggestions for the cell the person will run next."""
+        raise NoPrediction(f"the {self.name} backend does not predict next cells")
+        yield  # pragma: no cover - makes this an async generator
+
+    async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
+        """Stream the predicted text output of `ctx.target_source`."""
+        raise NoPrediction(f"the {self.name} backend does not predict outputs")
+        yield  # pragma: no cover
+
+    async def health(self) -> dict[str, Any]:
+        """A cheap readiness check: {"ok": bool, "detail": str}. Never includes secrets."""
+        return {"ok": True, "detail": "ready"}
+
+    async def aclose(self) -> None:
+        """Release connections, models, child processes."""

@@ -1,0 +1,103 @@
+"""The trajectory log's SQLite schema and its ordered migrations."""
+
+from __future__ import annotations
+
+import sqlite3
+
+# Each entry moves the schema from version i to i + 1. Append; never edit a released step.
+MIGRATIONS: list[str] = [
+    # 0 -> 1: the first schema.
+    """
+    CREATE TABLE trajectories (
+        id              TEXT PRIMARY KEY,
+        notebook_path   TEXT,
+        kernel_id       TEXT,
+        session_id      TEXT,
+        started_at      REAL NOT NULL,
+        python_version  TEXT,
+        packages        TEXT NOT NULL DEFAULT '{}',   -- JSON: {name: version}
+        host            TEXT NOT NULL DEFAULT '{}'    -- JSON: hostname, platform, cpus, memory
+    );
+    CREATE INDEX trajectories_by_path ON trajectories (notebook_path, started_at);
+
+    CREATE TABLE executions (
+        id               INTEGER PRIMARY KEY AUTOINCREMENT,
+        trajectory_id    TEXT NOT NULL REFERENCES trajectories (id),
+        order_index      INTEGER NOT NULL,            -- the order the person ran cells
+        cell_id          TEXT,
+        msg_id           TEXT,                        -- the execute_request's msg_id
+        execution_count  INTEGER,
+        source           TEXT NOT NULL,
+        outputs          TEXT NOT NULL DEFAULT '[]',  -- JSON: nbformat output dicts
+        status           TEXT NOT NULL,               -- ok | error | interrupted
+        started_at       REAL,
+        wall_time        REAL,                        -- seconds
+        cpu_time         REAL,                        -- seconds
+        memory_before    INTEGER,                     -- bytes (RSS)
+        memory_after     INTEGER,
+        memory_peak      INTEGER,
+        snapshot_id      INTEGER,
+        snapshot_status  TEXT NOT NULL DEFAULT 'none',
+        UNIQUE (trajectory_id, order_index)
+    );
+
+    CREATE TABLE snapshots (
+        id            INTEGER PRIMARY KEY AUTOINCREMENT,
+        execution_id  INTEGER NOT NULL UNIQUE REFERENCES executions (id),
+        status        TEXT NOT NULL,                  -- ok | partial | skipped | failed
+        mode          TEXT,                           -- fork | inline
+        created_at    REAL NOT NULL,
+        duration      REAL,                           -- seconds spent serializing
+        detail        TEXT                            -- why skipped/failed, if so
+    );
+
+    CREATE TABLE variables (
+        snapshot_id  INTEGER NOT NULL REFERENCES snapshots (id),
+        name         TEXT NOT NULL,
+        type         TEXT NOT NULL,                   -- module-qualified type name
+        size         INTEGER,                         -- bytes serialized, or estimated
+        summary      TEXT NOT NULL DEFAULT '{}',      -- JSON: len/shape/dtype/columns/repr
+        blob_hash    TEXT REFERENCES blobs (hash),    -- NULL for stubs
+        fingerprint  TEXT,                            -- cheap change detector, if any
+        stub_reason  TEXT,                            -- why no blob: unpicklable, too large...
+        changed      INTEGER NOT NULL DEFAULT 1,      -- differs from the previous snapshot
+        PRIMARY KEY (snapshot_id, name)
+    );
+
+    CREATE TABLE blobs (
+        hash         TEXT PRIMARY KEY,                -- sha256 of the uncompressed bytes
+        size         INTEGER NOT NULL,                -- uncompressed bytes
+        stored_size  INTEGER NOT NULL,
+        codec        TEXT NOT NULL,                   -- zstd | raw
+        data         BLOB NOT NULL
+    );
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring the database to SCHEMA_VERSION; returns the version it started at.
+
+    The connection must be in autocommit mode (isolation_level=None). The write lock is taken
+    before the version is read, so two processes opening a new store at once migrate it once.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        start = conn.execute("PRAGMA user_version").fetchone()[0]
+        if start > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"the trajectory store has schema version {start}, newer than this "
+                f"jupyter-themisto understands ({SCHEMA_VERSION}): upgrade jupyter-themisto"
+            )
+        for version in range(start, SCHEMA_VERSION):
+            for statement in MIGRATIONS[version].split(";\n"):
+                if statement.strip():
+                    conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return start

@@ -1,0 +1,439 @@
+"""TrajectoryStore: the SQLite trajectory log shared by the kernel recorder, server and CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import zstandard
+
+from .schema import migrate
+
+STORE_ENV = "THEMISTO_STORE"
+
+# Blobs smaller than this are not worth a compression frame.
+_COMPRESS_MIN = 64
+_ZSTD_LEVEL = 3
+
+_EXECUTION_FIELDS = (
+    "cell_id",
+    "msg_id",
+    "execution_count",
+    "source",
+    "outputs",
+    "status",
+    "started_at",
+    "wall_time",
+    "cpu_time",
+    "memory_before",
+    "memory_after",
+    "memory_peak",
+    "snapshot_status",
+)
+EXECUTION_STATUSES = ("ok", "error", "interrupted")
+
+
+class StoreError(Exception):
+    """A problem with the trajectory store that a person can act on."""
+
+
+def default_store_path() -> Path:
+    """`THEMISTO_STORE` if set, else `<jupyter data dir>/themisto/trajectories.sqlite`."""
+    env = os.environ.get(STORE_ENV)
+    if env:
+        return Path(env).expanduser()
+    from jupyter_core.paths import jupyter_data_dir
+
+    return Path(jupyter_data_dir()) / "themisto" / "trajectories.sqlite"
+
+
+def blob_hash(data: bytes | memoryview) -> str:
+    """The content address of a blob: sha256 of its uncompressed bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+class TrajectoryStore:
+    """One trajectory log on disk.
+
+    Safe to use from several processes at once (SQLite WAL: readers never block the writer)
+    and from several threads of one process (one connection per thread). Every public write is
+    its own transaction, so a process killed mid-way leaves all earlier writes intact.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        readonly: bool = False,
+        timeout: float = 30.0,
+    ) -> None:
+        self.path = Path(path).expanduser() if path is not None else default_store_path()
+        self.readonly = readonly
+        self._timeout = timeout
+        self._local = threading.local()
+        self._pid = os.getpid()
+        if readonly:
+            if not self.path.exists():
+                raise StoreError(f"no trajectory store at {self.path}")
+        else:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"cannot create the store's folder {self.path.parent}: {e}") from e
+        conn = self._conn()
+        if not readonly:
+            migrate(conn)
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        # A forked child must never reuse its parent's connection: open a fresh one.
+        if self._pid != os.getpid():
+            self._local = threading.local()
+            self._pid = os.getpid()
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                if self.readonly:
+                    uri = f"{self.path.resolve().as_uri()}?mode=ro"
+                    conn = sqlite3.connect(
+                        uri, uri=True, timeout=self._timeout, isolation_level=None
+                    )
+                else:
+                    conn = sqlite3.connect(
+                        str(self.path), timeout=self._timeout, isolation_level=None
+                    )
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    conn.execute("PRAGMA synchronous=NORMAL")
+                conn.execute("PRAGMA foreign_keys=ON")
+                conn.row_factory = sqlite3.Row
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot open the trajectory store {self.path}: {e}") from e
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        if self.readonly:
+            raise StoreError(f"the trajectory store {self.path} was opened read-only")
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and self._pid == os.getpid():
+            conn.close()
+        self._local = threading.local()
+
+    def __enter__(self) -> TrajectoryStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- trajectories ------------------------------------------------------------------------
+
+    def create_trajectory(
+        self,
+        *,
+        notebook_path: str | None = None,
+        kernel_id: str | None = None,
+        session_id: str | None = None,
+        python_version: str | None = None,
+        packages: dict[str, str] | None = None,
+        host: dict[str, Any] | None = None,
+        started_at: float | None = None,
+        trajectory_id: str | None = None,
+    ) -> str:
+        """Start a new trajectory and return its id."""
+        tid = trajectory_id or uuid.uuid4().hex
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO trajectories (id, notebook_path, kernel_id, session_id, started_at,"
+                " python_version, packages, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    tid,
+                    notebook_path,
+                    kernel_id,
+                    session_id,
+                    started_at if started_at is not None else time.time(),
+                    python_version,
+                    json.dumps(packages or {}),
+                    json.dumps(host or {}),
+                ),
+            )
+        return tid
+
+    def update_trajectory(self, trajectory_id: str, **fields: Any) -> None:
+        """Fill in fields learnt after the start (e.g. the notebook path)."""
+        allowed = {"notebook_path", "kernel_id", "session_id"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"cannot update trajectory fields {sorted(unknown)}")
+        if not fields:
+            return
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._write() as conn:
+            conn.execute(
+                f"UPDATE trajectories SET {sets} WHERE id = ?", (*fields.values(), trajectory_id)
+            )
+
+    def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
+        row = self._conn().execute(
+            _TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,)
+        ).fetchone()
+        return _trajectory_dict(row) if row else None
+
+    def list_trajectories(
+        self,
+        *,
+        notebook_path: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Trajectories, newest first; optionally only those of one notebook."""
+        sql = _TRAJECTORY_SELECT
+        args: list[Any] = []
+        if notebook_path is not None:
+            sql += " WHERE t.notebook_path = ?"
+            args.append(notebook_path)
+        sql += " ORDER BY t.started_at DESC, t.rowid DESC LIMIT ? OFFSET ?"
+        args += [-1 if limit is None else limit, offset]
+        return [_trajectory_dict(r) for r in self._conn().execute(sql, args)]
+
+    def count_trajectories(self) -> int:
+        return self._conn().execute("SELECT count(*) FROM trajectories").fetchone()[0]
+
+    # -- executions --------------------------------------------------------------------------
+
+    def add_execution(self, trajectory_id: str, record: dict[str, Any]) -> int:
+        """Append one execution to a trajectory; returns the execution id.
+
+        `record` holds the `executions` columns by name (`source` and `status` required;
+        `outputs` a list of nbformat output dicts). The order index is the next in the
+        trajectory, assigned here so that concurrent writers cannot collide.
+        """
+        unknown = set(record) - set(_EXECUTION_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown execution fields {sorted(unknown)}")
+        if record.get("status") not in EXECUTION_STATUSES:
+            raise ValueError(f"execution status must be one of {EXECUTION_STATUSES}")
+        if not isinstance(record.get("source"), str):
+            raise ValueError("execution source must be a string")
+        values = dict(record)
+        values["outputs"] = json.dumps(values.get("outputs") or [])
+        values.setdefault("snapshot_status", "none")
+        cols = list(values)
+        with self._write() as conn:
+            order = conn.execute(
+                "SELECT coalesce(max(order_index) + 1, 0) FROM executions WHERE trajectory_id = ?",
+                (trajectory_id,),
+            ).fetchone()[0]
+            cur = conn.execute(
+                f"INSERT INTO executions (trajectory_id, order_index, {', '.join(cols)})"
+                f" VALUES (?, ?, {', '.join('?' for _ in cols)})",
+                (trajectory_id, order, *values.values()),
+            )
+            return int(cur.lastrowid)  # type: ignore[arg-type]
+
+    def get_execution(self, execution_id: int) -> dict[str, Any] | None:
+        row = self._conn().execute("SELECT * FROM executions WHERE id = ?", (execution_id,))
+        found = row.fetchone()
+        return _execution_dict(found) if found else None
+
+    def list_executions(
+        self, trajectory_id: str, *, offset: int = 0, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """A trajectory's executions in the order they ran."""
+        rows = self._conn().execute(
+            "SELECT * FROM executions WHERE trajectory_id = ? ORDER BY order_index"
+            " LIMIT ? OFFSET ?",
+            (trajectory_id, -1 if limit is None else limit, offset),
+        )
+        return [_execution_dict(r) for r in rows]
+
+    def count_executions(self, trajectory_id: str | None = None) -> int:
+        if trajectory_id is None:
+            return self._conn().execute("SELECT count(*) FROM executions").fetchone()[0]
+        return self._conn().execute(
+            "SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,)
+        ).fetchone()[0]
+
+    def set_snapshot_status(self, execution_id: int, status: str) -> None:
+        with self._write() as conn:
+            conn.execute(
+                "UPDATE executions SET snapshot_status = ? WHERE id = ?", (status, execution_id)
+            )
+
+    # -- blobs -------------------------------------------------------------------------------
+
+    def put_blob(self, data: bytes | memoryview, digest: str | None = None) -> str:
+        """Store bytes once under their content hash (compressed); returns the hash."""
+        digest = digest or blob_hash(data)
+        if self.has_blob(digest):
+            return digest
+        stored, codec = _compress(data)
+        with self._write() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO blobs (hash, size, stored_size, codec, data)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (digest, len(data), len(stored), codec, stored),
+            )
+        return digest
+
+    def has_blob(self, digest: str) -> bool:
+        found = self._conn().execute("SELECT 1 FROM blobs WHERE hash = ?", (digest,)).fetchone()
+        return found is not None
+
+    def get_blob(self, digest: str) -> bytes:
+        row = self._conn().execute(
+            "SELECT codec, data FROM blobs WHERE hash = ?", (digest,)
+        ).fetchone()
+        if row is None:
+            raise KeyError(digest)
+        return _decompress(row["data"], row["codec"])
+
+    def blob_stats(self) -> dict[str, int]:
+        row = self._conn().execute(
+            "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
+            " coalesce(sum(stored_size), 0) AS stored FROM blobs"
+        ).fetchone()
+        return {"count": row["n"], "size": row["size"], "stored_size": row["stored"]}
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def write_snapshot(
+        self,
+        execution_id: int,
+        variables: Iterable[dict[str, Any]],
+        *,
+        status: str = "ok",
+        mode: str | None = None,
+        duration: float | None = None,
+        detail: str | None = None,
+    ) -> int:
+        """Record a namespace snapshot for an execution; returns the snapshot id.
+
+        Each variable dict has `name`, `type`, and optionally `size`, `summary` (dict),
+        `blob_hash` (a blob already stored with put_blob), `fingerprint`, `stub_reason`,
+        `changed`. The execution's snapshot_id and snapshot_status are set in the same
+        transaction.
+        """
+        with self._write() as conn:
+            cur = conn.execute(
+                "INSERT INTO snapshots (execution_id, status, mode, created_at, duration, detail)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (execution_id, status, mode, time.time(), duration, detail),
+            )
+            sid = int(cur.lastrowid)  # type: ignore[arg-type]
+            conn.executemany(
+                "INSERT INTO variables (snapshot_id, name, type, size, summary, blob_hash,"
+                " fingerprint, stub_reason, changed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        sid,
+                        v["name"],
+                        v["type"],
+                        v.get("size"),
+                        json.dumps(v.get("summary") or {}, default=str),
+                        v.get("blob_hash"),
+                        v.get("fingerprint"),
+                        v.get("stub_reason"),
+                        int(v.get("changed", True)),
+                    )
+                    for v in variables
+                ],
+            )
+            conn.execute(
+                "UPDATE executions SET snapshot_id = ?, snapshot_status = ? WHERE id = ?",
+                (sid, status, execution_id),
+            )
+        return sid
+
+    def get_snapshot(self, execution_id: int) -> dict[str, Any] | None:
+        row = self._conn().execute(
+            "SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,)
+        ).fetchone()
+        return dict(row) if row else None
+
+    def get_variables(self, execution_id: int) -> list[dict[str, Any]]:
+        """The variable summaries of an execution's snapshot (empty if it has none)."""
+        rows = self._conn().execute(
+            "SELECT v.* FROM variables v JOIN snapshots s ON s.id = v.snapshot_id"
+            " WHERE s.execution_id = ? ORDER BY v.name",
+            (execution_id,),
+        )
+        return [_variable_dict(r) for r in rows]
+
+    def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
+        """The variables of the trajectory's most recent snapshot that was written."""
+        row = self._conn().execute(
+            "SELECT e.id FROM executions e JOIN snapshots s ON s.execution_id = e.id"
+            " WHERE e.trajectory_id = ? ORDER BY e.order_index DESC LIMIT 1",
+            (trajectory_id,),
+        ).fetchone()
+        return self.get_variables(row["id"]) if row else []
+
+
+_TRAJECTORY_SELECT = (
+    "SELECT t.*, (SELECT count(*) FROM executions e WHERE e.trajectory_id = t.id)"
+    " AS n_executions FROM trajectories t"
+)
+
+
+def _trajectory_dict(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    d["packages"] = json.loads(d["packages"] or "{}")
+    d["host"] = json.loads(d["host"] or "{}")
+    return d
+
+
+def _execution_dict(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    d["outputs"] = json.loads(d["outputs"] or "[]")
+    return d
+
+
+def _variable_dict(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    d["summary"] = json.loads(d["summary"] or "{}")
+    d["changed"] = bool(d["changed"])
+    return d
+
+
+_compressor = threading.local()
+
+
+def _compress(data: bytes | memoryview) -> tuple[bytes, str]:
+    if len(data) < _COMPRESS_MIN:
+        return bytes(data), "raw"
+    cctx = getattr(_compressor, "cctx", None)
+    if cctx is None:
+        cctx = _compressor.cctx = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    packed = cctx.compress(data)
+    if len(packed) >= len(data):
+        return bytes(data), "raw"
+    return packed, "zstd"
+
+
+def _decompress(data: bytes, codec: str) -> bytes:
+    if codec == "raw":
+        return bytes(data)
+    if codec == "zstd":
+        return zstandard.ZstdDecompressor().decompress(data)
+    raise StoreError(f"unknown blob codec {codec!r}")
