@@ -1,0 +1,47 @@
+"""Finds backends through the `jupyter_themisto.backends` entry-point group and builds them."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from .base import BackendEnv, BackendUnavailable, Predictor
+
+ENTRY_POINT_GROUP = "jupyter_themisto.backends"
+
+
+class UnknownBackend(LookupError):
+    """No backend of that name is installed."""
+
+
+def available_backends() -> dict[str, EntryPoint]:
+    """Installed backends by name (not imported yet)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_backend_class(name: str) -> type[Predictor]:
+    """Import one backend's Predictor class.
+
+    Raises UnknownBackend if no such backend is installed, BackendUnavailable if it is
+    installed but cannot be imported here (e.g. its optional dependencies are missing).
+    """
+    eps = available_backends()
+    if name not in eps:
+        known = ", ".join(sorted(eps)) or "none"
+        raise UnknownBackend(f"unknown backend {name!r}; installed backends: {known}")
+    try:
+        cls = eps[name].load()
+    except ImportError as e:
+        raise BackendUnavailable(f"backend {name!r} cannot be loaded: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, Predictor)):
+        raise BackendUnavailable(
+            f"entry point {eps[name].value} for backend {name!r} is not a Predictor subclass"
+        )
+    return cls
+
+
+def create_backend(
+    name: str, config: dict[str, Any] | None = None, env: BackendEnv | None = None
+) -> Predictor:
+    """Build a backend by name with its own settings."""
+    return load_backend_class(name)(config, env)

@@ -1,0 +1,15 @@
+"""Shared pytest fixtures: an isolated trajectory store for every test."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ("pytest_jupyter.jupyter_server",)
+
+
+@pytest.fixture
+def store_path(tmp_path, monkeypatch):
+    """A fresh THEMISTO_STORE path, exported so kernels started by the test inherit it."""
+    path = tmp_path / "store" / "trajectories.sqlite"
+    monkeypatch.setenv("THEMISTO_STORE", str(path))
+    return path
