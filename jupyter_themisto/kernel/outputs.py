@@ -1,0 +1,378 @@
+"""Capture one execution's outputs inside the kernel as bounded nbformat output dicts.
+
+What is captured, and from where (ipykernel >= 7.3, IPython >= 9.1):
+
+- `stream` (stdout/stderr): a wrapper around `sys.stdout.write` / `sys.stderr.write` installed
+  for the duration of the cell. ipykernel's fd-level capture (C extensions, subprocesses
+  writing to fd 1/2) and other threads' prints pass through the same `write`, so they are
+  included as far as they arrived before the cell finished.
+- `execute_result`: a hook on `shell.displayhook` (sees the message ipykernel sends).
+- `display_data` (and `update_display_data`, recorded as display_data with
+  `metadata.themisto.update = true`): a hook on `shell.display_pub`. Hooks always return the
+  message unchanged: the person sees exactly what they would without the recorder.
+- `error`: IPython's `history_manager.exceptions[execution_count]` (ename, evalue, traceback),
+  else formatted from the exception.
+
+Bounds: a text value longer than `max_output_bytes` keeps its head and ends with the visible
+marker `TRUNCATION_MARKER`; the execution's inline total is bounded by `max_execution_bytes`
+(further outputs are replaced by one stream output saying how many were omitted). Outputs
+that were cut carry `metadata.themisto.truncated = true`.
+
+Binary payloads (base64 MIME values such as image/png, image/jpeg, application/pdf) larger than
+`blob_threshold` bytes are stored in the trajectory store's blob table (the decoded bytes,
+content-addressed) and the MIME value in the output dict is replaced by a reference::
+
+    {"themisto_blob": "<sha256 of the decoded bytes>", "bytes": <decoded size>,
+     "encoding": "base64"}
+
+`resolve_blob_refs(output, store)` turns such an output back into a plain nbformat output
+(the reference replaced by the base64 text). Payloads over `max_blob_bytes` are not stored:
+the value becomes the marker string instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+TRUNCATION_MARKER = "\n[themisto: output truncated, {omitted} bytes omitted]\n"
+OMITTED_MARKER = (
+    "[themisto: {count} more outputs omitted ({size} bytes), over the execution bound]\n"
+)
+BLOB_KEY = "themisto_blob"
+
+# MIME types whose values are base64 text of binary data in Jupyter messages.
+_TEXT_MIME_PREFIXES = ("text/",)
+_TEXT_MIMES = {"image/svg+xml", "application/javascript", "application/xml"}
+
+
+def is_binary_mime(mime: str) -> bool:
+    """True for MIME types Jupyter transports as base64 (images, pdf, other binaries)."""
+    if mime.startswith(_TEXT_MIME_PREFIXES) or mime in _TEXT_MIMES:
+        return False
+    if mime.endswith("+json") or mime == "application/json":
+        return False
+    return mime.startswith(("image/", "application/", "audio/", "video/"))
+
+
+class OutputCapture:
+    """Collects the outputs of the execution currently running (main thread only)."""
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+        self.outputs: list[dict[str, Any]] = []
+        self.active = False
+        self._wrapped: dict[str, tuple[Any, Callable[..., Any], Callable[..., Any]]] = {}
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def install_hooks(self) -> None:
+        """Register the display hooks (once per load; they are idle outside a cell)."""
+        pub = getattr(self.shell, "display_pub", None)
+        if pub is not None and hasattr(pub, "register_hook"):
+            pub.register_hook(self._display_hook)
+        hook = getattr(self.shell, "displayhook", None)
+        if hook is not None and hasattr(hook, "register_hook"):
+            hook.register_hook(self._result_hook)
+
+    def remove_hooks(self) -> None:
+        self.stop()
+        pub = getattr(self.shell, "display_pub", None)
+        if pub is not None and hasattr(pub, "unregister_hook"):
+            pub.unregister_hook(self._display_hook)
+        hook = getattr(self.shell, "displayhook", None)
+        if hook is not None and hasattr(hook, "unregister_hook"):
+            hook.unregister_hook(self._result_hook)
+
+    def start(self) -> None:
+        self.outputs = []
+        self.active = True
+        for name in ("stdout", "stderr"):
+            self._wrap_stream(name)
+
+    def stop(self) -> list[dict[str, Any]]:
+        """Stop capturing and return what was captured (streams merged, in order)."""
+        self.active = False
+        for name in list(self._wrapped):
+            stream, original, wrapper = self._wrapped.pop(name)
+            # Only unwrap if nobody wrapped on top of us since; otherwise our wrapper stays in
+            # the chain, inert (self.active is False), rather than dropping their wrapper.
+            if getattr(stream, "write", None) is wrapper:
+                try:
+                    stream.write = original
+                except Exception:
+                    pass
+        return self.outputs
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def _wrap_stream(self, name: str) -> None:
+        stream = getattr(sys, name, None)
+        if stream is None:
+            return
+        original = stream.write
+        capture = self
+
+        def write(data: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(data, *args, **kwargs)
+            if capture.active and data:
+                try:
+                    capture._add_stream(name, data)
+                except Exception:
+                    pass
+            return result
+
+        try:
+            stream.write = write
+        except Exception:
+            return
+        self._wrapped[name] = (stream, original, write)
+
+    def _add_stream(self, name: str, data: Any) -> None:
+        shell = self.shell
+        # The same conditions as IPython's own tee: a display or traceback being rendered
+        # writes through the stream too, but it is recorded as its own output.
+        if getattr(getattr(shell, "display_pub", None), "is_publishing", False):
+            return
+        if getattr(getattr(shell, "displayhook", None), "is_active", False):
+            return
+        if getattr(shell, "showing_traceback", False):
+            return
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+        last = self.outputs[-1] if self.outputs else None
+        if last is not None and last["output_type"] == "stream" and last["name"] == name:
+            last["_parts"].append(text)
+        else:
+            self.outputs.append({"output_type": "stream", "name": name, "_parts": [text]})
+
+    def _display_hook(self, msg: Any) -> Any:
+        try:
+            if self.active and isinstance(msg, dict):
+                kind = msg.get("msg_type") or msg.get("header", {}).get("msg_type")
+                content = msg.get("content") or {}
+                if kind in ("display_data", "update_display_data"):
+                    out = {
+                        "output_type": "display_data",
+                        "data": dict(content.get("data") or {}),
+                        "metadata": copy.deepcopy(content.get("metadata") or {}),
+                    }
+                    if kind == "update_display_data":
+                        out["metadata"].setdefault("themisto", {})["update"] = True
+                    self.outputs.append(out)
+                elif kind == "clear_output":
+                    # Recorded as what a notebook would keep: the outputs shown so far vanish.
+                    if not content.get("wait"):
+                        self.outputs.clear()
+        except Exception:
+            pass
+        return msg
+
+    def _result_hook(self, msg: Any) -> Any:
+        try:
+            if self.active and isinstance(msg, dict):
+                content = msg.get("content") or {}
+                self.outputs.append(
+                    {
+                        "output_type": "execute_result",
+                        "execution_count": content.get("execution_count"),
+                        "data": dict(content.get("data") or {}),
+                        "metadata": copy.deepcopy(content.get("metadata") or {}),
+                    }
+                )
+        except Exception:
+            pass
+        return msg
+
+
+def error_output(shell: Any, execution_count: int | None, exc: BaseException) -> dict[str, Any]:
+    """The nbformat error output for an exception raised by a cell."""
+    stored = None
+    hm = getattr(shell, "history_manager", None)
+    exceptions = getattr(hm, "exceptions", None)
+    if isinstance(exceptions, dict) and execution_count is not None:
+        stored = exceptions.get(execution_count)
+    if isinstance(stored, dict) and "ename" in stored:
+        return {
+            "output_type": "error",
+            "ename": str(stored.get("ename", "")),
+            "evalue": str(stored.get("evalue", "")),
+            "traceback": [str(t) for t in stored.get("traceback") or []],
+        }
+    import traceback
+
+    return {
+        "output_type": "error",
+        "ename": type(exc).__name__,
+        "evalue": str(exc),
+        "traceback": traceback.format_exception(type(exc), exc, exc.__traceback__),
+    }
+
+
+def finalize_outputs(
+    raw: Iterable[dict[str, Any]],
+    *,
+    max_output_bytes: int,
+    max_execution_bytes: int,
+    blob_threshold: int,
+    max_blob_bytes: int,
+    put_blob: Callable[[bytes], str] | None,
+    scrub: Callable[[str], str] | None = None,
+) -> list[dict[str, Any]]:
+    """Bounded, blob-offloaded, JSON-ready output dicts from the captured ones."""
+    result: list[dict[str, Any]] = []
+    total = 0
+    omitted_count = 0
+    omitted_size = 0
+    for out in raw:
+        out = dict(out)
+        if out.get("output_type") == "stream" and "_parts" in out:
+            out["text"] = "".join(out.pop("_parts"))
+        cut = False
+        if out.get("output_type") == "stream":
+            text = scrub(out["text"]) if scrub else out["text"]
+            out["text"], cut = _truncate(text, max_output_bytes)
+            size = len(out["text"].encode("utf-8", "replace"))
+        elif out.get("output_type") == "error":
+            size = 0
+            if scrub:
+                out["evalue"] = scrub(out.get("evalue", ""))
+                out["traceback"] = [scrub(t) for t in out.get("traceback", [])]
+            for i, line in enumerate(out.get("traceback", [])):
+                out["traceback"][i], c = _truncate(line, max_output_bytes)
+                cut = cut or c
+                size += len(out["traceback"][i])
+        else:
+            data, size, cut = _bound_bundle(
+                out.get("data") or {},
+                max_output_bytes=max_output_bytes,
+                blob_threshold=blob_threshold,
+                max_blob_bytes=max_blob_bytes,
+                put_blob=put_blob,
+                scrub=scrub,
+            )
+            out["data"] = data
+        if total + size > max_execution_bytes:
+            omitted_count += 1
+            omitted_size += size
+            continue
+        if cut and out.get("output_type") in ("display_data", "execute_result"):
+            # Streams have no metadata in nbformat: their marker in the text is the signal.
+            meta = out.setdefault("metadata", {})
+            if isinstance(meta, dict):
+                meta.setdefault("themisto", {})["truncated"] = True
+        total += size
+        result.append(out)
+    if omitted_count:
+        result.append(
+            {
+                "output_type": "stream",
+                "name": "stdout",
+                "text": OMITTED_MARKER.format(count=omitted_count, size=omitted_size),
+            }
+        )
+    return result
+
+
+def _truncate(text: str, limit: int) -> tuple[str, bool]:
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text, False
+    head = raw[:limit].decode("utf-8", "ignore")
+    return head + TRUNCATION_MARKER.format(omitted=len(raw) - limit), True
+
+
+def _bound_bundle(
+    data: dict[str, Any],
+    *,
+    max_output_bytes: int,
+    blob_threshold: int,
+    max_blob_bytes: int,
+    put_blob: Callable[[bytes], str] | None,
+    scrub: Callable[[str], str] | None,
+) -> tuple[dict[str, Any], int, bool]:
+    out: dict[str, Any] = {}
+    size = 0
+    cut = False
+    for mime, value in data.items():
+        if isinstance(value, str) and is_binary_mime(mime):
+            encoded = len(value)
+            if encoded > blob_threshold:
+                ref = _offload(value, max_blob_bytes, put_blob)
+                if ref is not None:
+                    out[mime] = ref
+                    size += 200
+                    continue
+                if encoded > max_blob_bytes or put_blob is None:
+                    out[mime] = TRUNCATION_MARKER.format(omitted=encoded).strip()
+                    cut = True
+                    continue
+            out[mime] = value
+            size += encoded
+        elif isinstance(value, str):
+            text = scrub(value) if scrub else value
+            out[mime], c = _truncate(text, max_output_bytes)
+            cut = cut or c
+            size += len(out[mime])
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            text = "".join(value)
+            text = scrub(text) if scrub else text
+            out[mime], c = _truncate(text, max_output_bytes)
+            cut = cut or c
+            size += len(out[mime])
+        else:
+            # JSON MIME values (application/json, widget state...): bound by serialized size.
+            import json
+
+            try:
+                encoded_json = json.dumps(value, default=str)
+            except Exception:
+                encoded_json = repr(value)
+            if len(encoded_json) > max_output_bytes:
+                out[mime] = TRUNCATION_MARKER.format(omitted=len(encoded_json)).strip()
+                cut = True
+                size += len(out[mime])
+            else:
+                out[mime] = value
+                size += len(encoded_json)
+    return out, size, cut
+
+
+def _offload(
+    value: str, max_blob_bytes: int, put_blob: Callable[[bytes], str] | None
+) -> dict[str, Any] | None:
+    if put_blob is None:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=False)
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) > max_blob_bytes:
+        return None
+    try:
+        digest = put_blob(raw)
+    except Exception:
+        return None
+    return {BLOB_KEY: digest, "bytes": len(raw), "encoding": "base64"}
+
+
+def resolve_blob_refs(output: dict[str, Any], get_blob: Callable[[str], bytes]) -> dict[str, Any]:
+    """A plain nbformat output: blob references replaced by their base64 text.
+
+    `get_blob` is e.g. `TrajectoryStore.get_blob`. A missing blob leaves the reference as is.
+    """
+    data = output.get("data")
+    if not isinstance(data, dict):
+        return output
+    out = dict(output)
+    out["data"] = dict(data)
+    for mime, value in data.items():
+        if isinstance(value, dict) and BLOB_KEY in value:
+            try:
+                out["data"][mime] = base64.b64encode(get_blob(value[BLOB_KEY])).decode("ascii")
+            except KeyError:
+                pass
+    return out

@@ -1,0 +1,349 @@
+"""ThemistoRecorder: the IPython extension object that records every cell execution of a kernel.
+
+Configure it like any IPython/ipykernel object, e.g. in `ipython_kernel_config.py`::
+
+    c.InteractiveShellApp.extensions = ["jupyter_themisto"]
+    c.ThemistoRecorder.snapshot_mode = "fork"        # fork | inline | off
+    c.ThemistoRecorder.max_output_bytes = 65536
+
+Every hook catches its own failures and reports them to the kernel's log (the terminal of the
+process that started the kernel), never to the cell's output: the recorder must not change
+what the person sees nor break a cell.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from traitlets import Bool, Enum, Float, Int, Unicode, default, validate
+from traitlets.config import LoggingConfigurable
+
+from ..redaction import DEFAULT_SECRET_PATTERN, compile_pattern, redact_source, redact_text
+from . import resources
+from .outputs import OutputCapture, error_output, finalize_outputs
+
+NOTEBOOK_PATH_ENV = "THEMISTO_NOTEBOOK_PATH"
+# Seconds between attempts to reopen a store that could not be opened.
+_STORE_RETRY = 10.0
+
+
+def _default_snapshot_mode() -> str:
+    return "fork" if hasattr(os, "fork") and sys.platform != "win32" else "inline"
+
+
+class ThemistoRecorder(LoggingConfigurable):
+    """Records each execution (source, outputs, status, time, memory, snapshot) to the store."""
+
+    enabled = Bool(True, help="Record executions (the %themisto on/off magic toggles it).").tag(
+        config=True
+    )
+    store_path = Unicode(
+        "",
+        help="Trajectory store file; empty: $THEMISTO_STORE, else the Jupyter data directory.",
+    ).tag(config=True)
+    snapshot_mode = Enum(
+        ["fork", "inline", "off"],
+        help="How the namespace snapshot is taken after each execution: in a forked "
+        "copy-on-write child (fork), in the kernel right after the cell (inline: the person "
+        "waits), or not at all (off).",
+    ).tag(config=True)
+    max_output_bytes = Int(
+        64 * 1024, help="Bytes kept of one output (text value); the rest is marked as truncated."
+    ).tag(config=True)
+    max_execution_output_bytes = Int(
+        1024 * 1024, help="Bytes of inline outputs kept per execution; further outputs omitted."
+    ).tag(config=True)
+    blob_threshold_bytes = Int(
+        1024, help="Binary MIME payloads (images) larger than this go to the blob store."
+    ).tag(config=True)
+    max_blob_bytes = Int(
+        32 * 1024 * 1024, help="Binary payloads larger than this are not stored (marker only)."
+    ).tag(config=True)
+    max_variable_bytes = Int(
+        64 * 1024 * 1024,
+        help="Variables whose serialized size exceeds this are summarized, not serialized.",
+    ).tag(config=True)
+    max_variable_seconds = Float(
+        5.0, help="Seconds one variable may take to serialize before it is only summarized."
+    ).tag(config=True)
+    max_snapshot_seconds = Float(
+        300.0, help="Seconds a snapshot child may run before it is killed (status failed)."
+    ).tag(config=True)
+    max_snapshot_children = Int(
+        2,
+        help="Concurrent snapshot children; when reached, the snapshot of that execution is "
+        "skipped (status 'skipped', detail says why).",
+    ).tag(config=True)
+    max_repr_chars = Int(200, help="Length of the short repr kept in a variable summary.").tag(
+        config=True
+    )
+    secret_pattern = Unicode(
+        DEFAULT_SECRET_PATTERN,
+        help="Case-insensitive regex: variables whose name matches are stored without value "
+        "or repr, string literals assigned to them are redacted from the recorded source, and "
+        "their string values are scrubbed from recorded outputs.",
+    ).tag(config=True)
+    redact_source = Bool(
+        True, help="Redact string literals assigned to secret names in the recorded source."
+    ).tag(config=True)
+
+    @default("snapshot_mode")
+    def _snapshot_mode_default(self) -> str:
+        return _default_snapshot_mode()
+
+    @validate("secret_pattern")
+    def _check_pattern(self, proposal: Any) -> str:
+        compile_pattern(proposal["value"])
+        return proposal["value"]
+
+    def __init__(self, shell: Any, **kwargs: Any) -> None:
+        super().__init__(parent=shell, **kwargs)
+        self.shell = shell
+        self.pid = os.getpid()
+        self.capture = OutputCapture(shell)
+        self.peak = resources.PeakTracker()
+        self.store: Any = None
+        self.trajectory_id: str | None = None
+        self.last_execution_id: int | None = None
+        self.errors = 0
+        self._store_failed_at = 0.0
+        self._current: dict[str, Any] | None = None
+        self._registered = False
+        from .snapshot import SnapshotManager
+
+        self.snapshots = SnapshotManager(self)
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register(self) -> None:
+        if self._registered:
+            return
+        events = self.shell.events
+        events.register("pre_run_cell", self.pre_run_cell)
+        events.register("post_run_cell", self.post_run_cell)
+        self.capture.install_hooks()
+        self._registered = True
+        self._open_store()
+        if self.store is not None:
+            self._ensure_trajectory()
+
+    def unregister(self) -> None:
+        if not self._registered:
+            return
+        events = self.shell.events
+        for name, cb in (
+            ("pre_run_cell", self.pre_run_cell),
+            ("post_run_cell", self.post_run_cell),
+        ):
+            try:
+                events.unregister(name, cb)
+            except ValueError:
+                pass
+        self.capture.remove_hooks()
+        self.snapshots.close()
+        self._registered = False
+
+    def _keep_last(self) -> None:
+        # Outputs emitted by other post_run_cell callbacks (registered after us, e.g. by a
+        # plotting backend configured in a later cell) belong to the cell: run after them.
+        callbacks = self.shell.events.callbacks.get("post_run_cell", [])
+        if callbacks and callbacks[-1] != self.post_run_cell and self.post_run_cell in callbacks:
+            callbacks.remove(self.post_run_cell)
+            callbacks.append(self.post_run_cell)
+
+    # -- the store ---------------------------------------------------------------------------
+
+    def _open_store(self) -> Any:
+        if self.store is not None:
+            return self.store
+        now = time.monotonic()
+        if self._store_failed_at and now - self._store_failed_at < _STORE_RETRY:
+            return None
+        try:
+            from ..store import TrajectoryStore
+
+            self.store = TrajectoryStore(self.store_path or None)
+            self._store_failed_at = 0.0
+        except Exception as e:
+            self._store_failed_at = now
+            self._report("cannot open the trajectory store", e)
+        return self.store
+
+    def _ensure_trajectory(self) -> str | None:
+        if self.trajectory_id is not None:
+            return self.trajectory_id
+        store = self._open_store()
+        if store is None:
+            return None
+        kernel = getattr(self.shell, "kernel", None)
+        session = getattr(getattr(kernel, "session", None), "session", None)
+        self.trajectory_id = store.create_trajectory(
+            notebook_path=notebook_path(),
+            kernel_id=current_kernel_id(),
+            session_id=session,
+            python_version=resources.python_version(),
+            packages=resources.package_versions(),
+            host=resources.host_info(),
+        )
+        self.log.info("themisto: recording to %s (trajectory %s)", store.path, self.trajectory_id)
+        return self.trajectory_id
+
+    def _report(self, what: str, error: BaseException) -> None:
+        self.errors += 1
+        try:
+            self.log.warning("themisto: %s: %s: %s", what, type(error).__name__, error)
+        except Exception:
+            pass
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def pre_run_cell(self, info: Any) -> None:
+        try:
+            self._current = None
+            if not self.enabled or os.getpid() != self.pid:
+                return
+            self.snapshots.reap()
+            self._keep_last()
+            kernel = getattr(self.shell, "kernel", None)
+            parent: dict[str, Any] = {}
+            if kernel is not None and hasattr(kernel, "get_parent"):
+                parent = kernel.get_parent("shell") or {}
+            cell_id = getattr(info, "cell_id", None)
+            if not cell_id:
+                meta = parent.get("metadata") or {}
+                cell_id = meta.get("cellId") or meta.get("cell_id")
+            self._current = {
+                "source": getattr(info, "raw_cell", "") or "",
+                "cell_id": cell_id,
+                "msg_id": (parent.get("header") or {}).get("msg_id"),
+                "started_at": time.time(),
+                "memory_before": resources.rss(),
+            }
+            self.peak.reset()
+            self.capture.start()
+            self._current["t0"] = time.perf_counter()
+            self._current["cpu0"] = time.process_time()
+        except BaseException as e:  # noqa: B036 - a recorder must never break a cell
+            self._current = None
+            self._report("pre_run_cell failed", e)
+
+    def post_run_cell(self, result: Any) -> None:
+        current, self._current = self._current, None
+        if current is None:
+            return
+        try:
+            wall = time.perf_counter() - current["t0"]
+            cpu = time.process_time() - current["cpu0"]
+            raw_outputs = self.capture.stop()
+            after = resources.rss()
+            peak = self.peak.peak(current["memory_before"], after)
+            self._record(current, result, raw_outputs, wall, cpu, after, peak)
+        except BaseException as e:  # noqa: B036
+            self._report("recording the execution failed", e)
+        finally:
+            if self.capture.active:
+                self.capture.stop()
+
+    def _record(
+        self,
+        current: dict[str, Any],
+        result: Any,
+        raw_outputs: list[dict[str, Any]],
+        wall: float,
+        cpu: float,
+        after: int | None,
+        peak: int | None,
+    ) -> None:
+        error = getattr(result, "error_before_exec", None) or getattr(result, "error_in_exec", None)
+        count = getattr(result, "execution_count", None)
+        if error is None:
+            status = "ok"
+        elif isinstance(error, KeyboardInterrupt):
+            status = "interrupted"
+        else:
+            status = "error"
+        if error is not None:
+            raw_outputs = [*raw_outputs, error_output(self.shell, count, error)]
+        store = self._open_store()
+        if store is None or self._ensure_trajectory() is None:
+            return
+        secrets = self._secret_values()
+        scrub = (lambda text: redact_text(text, secrets)) if secrets else None
+        outputs = finalize_outputs(
+            raw_outputs,
+            max_output_bytes=self.max_output_bytes,
+            max_execution_bytes=self.max_execution_output_bytes,
+            blob_threshold=self.blob_threshold_bytes,
+            max_blob_bytes=self.max_blob_bytes,
+            put_blob=store.put_blob,
+            scrub=scrub,
+        )
+        source = current["source"]
+        if self.redact_source:
+            source = redact_source(source, self.secret_pattern)
+        if scrub:
+            source = scrub(source)
+        snapshot_status = "pending" if self.snapshots.will_snapshot() else "off"
+        execution_id = store.add_execution(
+            self.trajectory_id,
+            {
+                "cell_id": current["cell_id"],
+                "msg_id": current["msg_id"],
+                "execution_count": count,
+                "source": source,
+                "outputs": outputs,
+                "status": status,
+                "started_at": current["started_at"],
+                "wall_time": wall,
+                "cpu_time": cpu,
+                "memory_before": current["memory_before"],
+                "memory_after": after,
+                "memory_peak": peak,
+                "snapshot_status": snapshot_status,
+            },
+        )
+        self.last_execution_id = execution_id
+        if snapshot_status == "pending":
+            self.snapshots.take(execution_id)
+
+    def _secret_values(self) -> list[str]:
+        """String values of secret-named variables, to scrub from recorded text."""
+        regex = compile_pattern(self.secret_pattern)
+        found = []
+        for name, value in list(self.shell.user_ns.items()):
+            if isinstance(value, (str, bytes)) and not name.startswith("_") and regex.search(name):
+                text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+                found.append(text)
+        return found
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "store": str(self.store.path) if self.store is not None else None,
+            "trajectory_id": self.trajectory_id,
+            "snapshot_mode": self.snapshot_mode,
+            "last_execution_id": self.last_execution_id,
+            "snapshot_children": self.snapshots.running(),
+            "errors": self.errors,
+        }
+
+
+def notebook_path() -> str | None:
+    """THEMISTO_NOTEBOOK_PATH (set by `jupyter themisto record`), else JPY_SESSION_NAME."""
+    return os.environ.get(NOTEBOOK_PATH_ENV) or os.environ.get("JPY_SESSION_NAME") or None
+
+
+def current_kernel_id() -> str | None:
+    try:
+        from ipykernel.kernelapp import IPKernelApp
+
+        if IPKernelApp.initialized():
+            return resources.kernel_id_from_connection_file(IPKernelApp.instance().connection_file)
+    except Exception:
+        pass
+    return None

@@ -1,0 +1,653 @@
+"""Namespace snapshots: per-variable summaries and content-addressed blobs after each execution.
+
+What is snapshotted is what `%who` shows: the user namespace without names starting with `_`,
+without IPython's own (hidden) names and without modules.
+
+Per variable, in this order:
+
+1. a name matching the secret pattern -> stub with the type only (no value, repr, fingerprint);
+2. objects that must not or cannot be pickled -> stub (type, short repr, reason): file objects
+   (pickling flushes them: in a forked child that writes the person's buffered data twice),
+   sockets, locks, generators, coroutines, frames, tracebacks, modules inside containers,
+   database connections; matplotlib figures/artists are *summarized* (their pickle differs
+   every time, so content hashing cannot tell them unchanged);
+3. a cheap fingerprint (xxh3 of an ndarray's buffer, of each DataFrame/Series column, of a
+   str/bytes/number) equal to the previous snapshot's -> the previous blob is reused without
+   serializing (`changed = false`);
+4. an estimated size over `max_variable_bytes` -> summarized only ("too large");
+5. pickle protocol 5, then dill only if pickle refused; both through a pickler that refuses the
+   objects of (2) wherever they sit in a container, with a size bound (the pickler stops as
+   soon as the output passes the bound) and a time bound (SIGALRM, main thread only);
+6. the bytes go to the blob store under their sha256 (stored once however many steps reuse
+   them); `changed` says whether the hash differs from the previous snapshot's.
+
+Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
+stubs or summaries), `skipped` (fork mode, `max_snapshot_children` children still running:
+this execution is not snapshotted, `detail` says so — skipping rather than queueing, because a
+queued snapshot would capture a later namespace than the execution it belongs to), `failed`
+(the child crashed or ran past `max_snapshot_seconds`; `detail` says which).
+
+Fork mode (default on Linux/macOS): after the execution row is written, the kernel closes its
+own store connection, calls `gc.freeze()` (the kernel's collections then do not touch the
+child's copy-on-write pages) and forks. The child ignores SIGINT (an interrupt of the kernel's
+process group must not abort it), points fds 1 and 2 at /dev/null (ipykernel forwards a forked
+child's output into the person's cell), disables gc (a collected file object would flush),
+serializes and writes with its own store connection, and leaves with `os._exit`. The kernel
+reaps children without blocking at the start and end of each cell and unfreezes gc when none
+is left.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import pickle
+import reprlib
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ..redaction import REDACTED_REASON, is_secret_name
+
+# Exit codes of the snapshot child.
+_CHILD_OK = 0
+_CHILD_FAILED = 3
+
+_SMALL_CONTAINER = 1000
+
+
+class _Refused(Exception):
+    """An object the snapshot must not serialize; the message is the stub's reason."""
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _TooSlow(Exception):
+    pass
+
+
+# -- what to refuse ---------------------------------------------------------------------------
+
+
+def _refused_types() -> tuple[tuple[type, str], ...]:
+    found: list[tuple[type, str]] = [
+        (io.IOBase, "file object (never serialized: pickling one flushes it)"),
+        (socket.socket, "socket"),
+        (types.GeneratorType, "generator"),
+        (types.CoroutineType, "coroutine"),
+        (types.AsyncGeneratorType, "async generator"),
+        (types.FrameType, "frame"),
+        (types.TracebackType, "traceback"),
+        (type(threading.Lock()), "lock"),
+        (type(threading.RLock()), "lock"),
+        (threading.Thread, "thread"),
+    ]
+    try:
+        import sqlite3
+
+        found.append((sqlite3.Connection, "database connection"))
+        found.append((sqlite3.Cursor, "database cursor"))
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+_REFUSED = _refused_types()
+_REFUSED_TYPES = tuple(t for t, _ in _REFUSED)
+
+
+def refusal(obj: Any, *, top_level: bool = True) -> str | None:
+    """Why `obj` must not be serialized, or None."""
+    if isinstance(obj, _REFUSED_TYPES):
+        for t, reason in _REFUSED:
+            if isinstance(obj, t):
+                return reason
+    if not top_level and isinstance(obj, types.ModuleType):
+        return "contains a module"
+    module = getattr(type(obj), "__module__", "") or ""
+    if module.startswith("matplotlib") and "matplotlib" in sys.modules:
+        try:
+            from matplotlib.artist import Artist
+            from matplotlib.figure import FigureBase
+
+            if isinstance(obj, (Artist, FigureBase)):
+                return "matplotlib object (summarized: its pickle differs every time)"
+        except Exception:
+            pass
+    if module.startswith("zmq"):
+        return "zmq object"
+    return None
+
+
+class _GuardedPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        reason = refusal(obj, top_level=False)
+        if reason:
+            raise _Refused(reason)
+        return NotImplemented
+
+
+def _dill_pickler() -> type:
+    import dill
+
+    class GuardedDillPickler(dill.Pickler):  # type: ignore[misc]
+        def reducer_override(self, obj: Any) -> Any:
+            reason = refusal(obj, top_level=False)
+            if reason:
+                raise _Refused(reason)
+            return NotImplemented
+
+    return GuardedDillPickler
+
+
+class _BoundedSink:
+    """A write-only file for the pickler that stops it once the bound is passed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.parts: list[bytes] = []
+
+    def write(self, data: Any) -> int:
+        n = len(data) if not isinstance(data, memoryview) else data.nbytes
+        self.size += n
+        if self.size > self.limit:
+            raise _TooLarge(self.size)
+        self.parts.append(bytes(data))
+        return n
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def serialize(value: Any, *, max_bytes: int) -> tuple[bytes, str]:
+    """Bytes of `value` and the codec used ('pickle' or 'dill').
+
+    Raises _Refused, _TooLarge, _TooSlow, or the serializer's own error when both refuse.
+    """
+    sink = _BoundedSink(max_bytes)
+    try:
+        _GuardedPickler(sink, protocol=5).dump(value)
+        return sink.getvalue(), "pickle"
+    except (_Refused, _TooLarge, _TooSlow):
+        raise
+    except RecursionError:
+        raise
+    except Exception as first:
+        try:
+            dill_pickler = _dill_pickler()
+        except ImportError:
+            raise first from None
+        sink = _BoundedSink(max_bytes)
+        dill_pickler(sink, protocol=5).dump(value)
+        return sink.getvalue(), "dill"
+
+
+class _time_limit:
+    """SIGALRM-based time bound around pure-Python work (no-op off the main thread)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.active = False
+        self.previous: Any = None
+
+    def _fire(self, signum: int, frame: Any) -> None:
+        raise _TooSlow()
+
+    def __enter__(self) -> _time_limit:
+        if (
+            self.seconds > 0
+            and hasattr(signal, "setitimer")
+            and threading.current_thread() is threading.main_thread()
+        ):
+            previous = signal.getsignal(signal.SIGALRM)
+            # Never take over an alarm the person set for their own code.
+            if previous in (signal.SIG_DFL, signal.SIG_IGN, None) and signal.getitimer(
+                signal.ITIMER_REAL
+            ) == (0.0, 0.0):
+                self.previous = previous
+                signal.signal(signal.SIGALRM, self._fire)
+                signal.setitimer(signal.ITIMER_REAL, self.seconds)
+                self.active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous or signal.SIG_DFL)
+
+
+# -- namespace, summaries, fingerprints -------------------------------------------------------
+
+
+def user_variables(shell: Any) -> Iterator[tuple[str, Any]]:
+    """(name, value) of the person's variables, as `%who` lists them, minus modules."""
+    ns = shell.user_ns
+    hidden = getattr(shell, "user_ns_hidden", {})
+    missing = object()
+    for name, value in list(ns.items()):
+        if name.startswith("_"):
+            continue
+        if hidden.get(name, missing) is value:
+            continue
+        if isinstance(value, types.ModuleType):
+            continue
+        yield name, value
+
+
+def type_name(value: Any) -> str:
+    t = type(value)
+    module = getattr(t, "__module__", None)
+    name = getattr(t, "__qualname__", t.__name__)
+    return name if module in (None, "builtins") else f"{module}.{name}"
+
+
+def _short_repr(value: Any, limit: int) -> str:
+    r = reprlib.Repr()
+    r.maxstring = limit
+    r.maxother = limit
+    r.maxlist = r.maxtuple = r.maxset = r.maxfrozenset = r.maxdeque = r.maxarray = 10
+    r.maxdict = 10
+    try:
+        text = r.repr(value)
+    except Exception as e:
+        return f"<repr failed: {type(e).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def estimated_size(value: Any) -> int | None:
+    """Bytes the value holds, where it is cheap to know (arrays, frames, buffers)."""
+    try:
+        if isinstance(value, (bytes, bytearray, str)):
+            return len(value)
+        mod = type(value).__module__ or ""
+        if mod.startswith("numpy") and hasattr(value, "nbytes"):
+            return int(value.nbytes)
+        if mod.startswith("pandas"):
+            usage = getattr(value, "memory_usage", None)
+            if usage is not None:
+                u = usage(index=True, deep=False)
+                return int(u.sum()) if hasattr(u, "sum") else int(u)
+        return None
+    except Exception:
+        return None
+
+
+def summarize(value: Any, max_repr: int) -> dict[str, Any]:
+    """Cheap facts about a value: len, shape, dtype, DataFrame columns and dtypes, short repr."""
+    s: dict[str, Any] = {}
+    mod = type(value).__module__ or ""
+    try:
+        if isinstance(value, (list, tuple, dict, set, frozenset, str, bytes, bytearray)):
+            s["len"] = len(value)
+        if mod.startswith("numpy") and hasattr(value, "shape") and hasattr(value, "dtype"):
+            s["shape"] = list(value.shape)
+            s["dtype"] = str(value.dtype)
+            if hasattr(value, "__len__") and getattr(value, "ndim", 0) > 0:
+                s["len"] = len(value)
+        elif mod.startswith("pandas"):
+            if hasattr(value, "shape"):
+                s["shape"] = list(value.shape)
+                s["len"] = int(value.shape[0]) if value.shape else None
+            if hasattr(value, "columns") and hasattr(value, "dtypes"):
+                cols = list(value.columns[:100])
+                s["columns"] = [str(c) for c in cols]
+                dtypes = value.dtypes
+                s["dtypes"] = {str(c): str(dtypes.iloc[i]) for i, c in enumerate(cols)}
+                if len(value.columns) > 100:
+                    s["columns_omitted"] = len(value.columns) - 100
+            elif hasattr(value, "dtype"):
+                s["dtype"] = str(value.dtype)
+                if getattr(value, "name", None) is not None:
+                    s["name"] = str(value.name)
+    except Exception:
+        pass
+    s["repr"] = _short_repr(value, max_repr)
+    return s
+
+
+def fingerprint(value: Any) -> str | None:
+    """A cheap change detector (xxh3-128), or None when only serializing can tell."""
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    try:
+        h = _fingerprint(value, xxhash)
+    except Exception:
+        return None
+    return None if h is None else f"{type_name(value)}:{h}"
+
+
+def _fingerprint(value: Any, xxhash: Any) -> str | None:
+    t = type(value)
+    if value is None or t in (bool, int, float, complex):
+        return xxhash.xxh3_128_hexdigest(repr(value).encode())
+    if t is str:
+        return xxhash.xxh3_128_hexdigest(value.encode("utf-8", "surrogatepass"))
+    if t is bytes:
+        return xxhash.xxh3_128_hexdigest(value)
+    if t in (tuple, frozenset) and len(value) <= _SMALL_CONTAINER:
+        items = sorted(value, key=repr) if t is frozenset else value
+        parts = []
+        for item in items:
+            sub = _fingerprint(item, xxhash)
+            if sub is None:
+                return None
+            parts.append(sub)
+        return xxhash.xxh3_128_hexdigest("|".join(parts).encode())
+    mod = t.__module__ or ""
+    if mod.startswith("numpy") and t.__name__ == "ndarray":
+        return _array_fingerprint(value, xxhash)
+    if mod.startswith("pandas"):
+        return _pandas_fingerprint(value, xxhash)
+    return None
+
+
+def _array_fingerprint(a: Any, xxhash: Any) -> str | None:
+    import numpy as np
+
+    if a.dtype.hasobject:
+        return None
+    h = xxhash.xxh3_128()
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    buf = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    h.update(memoryview(buf.reshape(-1).view(np.uint8)) if buf.size else b"")
+    return h.hexdigest()
+
+
+def _pandas_fingerprint(value: Any, xxhash: Any) -> str | None:
+    import numpy as np
+    import pandas as pd
+
+    def column_hash(col: Any) -> str | None:
+        arr = col.to_numpy() if hasattr(col, "to_numpy") else None
+        if isinstance(arr, np.ndarray) and not arr.dtype.hasobject and arr.dtype == col.dtype:
+            return _array_fingerprint(arr, xxhash)
+        hashed = pd.util.hash_pandas_object(col, index=False).to_numpy()
+        return _array_fingerprint(hashed, xxhash)
+
+    h = xxhash.xxh3_128()
+    if isinstance(value, pd.DataFrame):
+        h.update(repr(list(value.columns)).encode())
+        h.update(repr([str(d) for d in value.dtypes]).encode())
+        idx = pd.util.hash_pandas_object(value.index).to_numpy()
+        h.update(str(_array_fingerprint(idx, xxhash)).encode())
+        for _, col in value.items():
+            part = column_hash(col)
+            if part is None:
+                return None
+            h.update(part.encode())
+        return h.hexdigest()
+    if isinstance(value, pd.Series):
+        h.update(f"{value.name!r}{value.dtype}".encode())
+        idx = pd.util.hash_pandas_object(value.index).to_numpy()
+        h.update(str(_array_fingerprint(idx, xxhash)).encode())
+        part = column_hash(value)
+        if part is None:
+            return None
+        h.update(part.encode())
+        return h.hexdigest()
+    return None
+
+
+# -- writing a snapshot ------------------------------------------------------------------------
+
+
+class SnapshotWriter:
+    """Serializes one namespace into the store (used in the fork child and in inline mode)."""
+
+    def __init__(
+        self,
+        store: Any,
+        trajectory_id: str,
+        *,
+        secret_pattern: str | None,
+        max_variable_bytes: int,
+        max_variable_seconds: float,
+        max_repr_chars: int,
+    ) -> None:
+        self.store = store
+        self.trajectory_id = trajectory_id
+        self.secret_pattern = secret_pattern
+        self.max_variable_bytes = max_variable_bytes
+        self.max_variable_seconds = max_variable_seconds
+        self.max_repr_chars = max_repr_chars
+
+    def previous(self) -> dict[str, dict[str, Any]]:
+        try:
+            return {v["name"]: v for v in self.store.latest_variables(self.trajectory_id)}
+        except Exception:
+            return {}
+
+    def write(
+        self, execution_id: int, variables: list[tuple[str, Any]], *, mode: str
+    ) -> tuple[int, str]:
+        t0 = time.perf_counter()
+        previous = self.previous()
+        records = [self.record(name, value, previous.get(name)) for name, value in variables]
+        complete = all(
+            r.get("blob_hash") or r.get("stub_reason") == REDACTED_REASON for r in records
+        )
+        status = "ok" if complete else "partial"
+        sid = self.store.write_snapshot(
+            execution_id,
+            records,
+            status=status,
+            mode=mode,
+            duration=time.perf_counter() - t0,
+        )
+        return sid, status
+
+    def record(self, name: str, value: Any, prev: dict[str, Any] | None) -> dict[str, Any]:
+        rec: dict[str, Any] = {"name": name, "type": type_name(value)}
+        if is_secret_name(name, self.secret_pattern):
+            rec.update(summary={"redacted": True}, stub_reason=REDACTED_REASON)
+            rec["changed"] = prev is None or prev.get("type") != rec["type"]
+            return rec
+        summary = summarize(value, self.max_repr_chars)
+        rec["summary"] = summary
+        reason = refusal(value)
+        if reason:
+            rec["stub_reason"] = reason
+            rec["changed"] = prev is None or prev.get("summary", {}).get("repr") != summary["repr"]
+            return rec
+        fp = fingerprint(value)
+        rec["fingerprint"] = fp
+        same_type = prev is not None and prev.get("type") == rec["type"]
+        if fp is not None and same_type and prev is not None and prev.get("fingerprint") == fp:
+            # Unchanged by its fingerprint: reuse the previous blob (or stub) as it is.
+            if "codec" in (prev.get("summary") or {}):
+                summary["codec"] = prev["summary"]["codec"]
+            rec.update(
+                size=prev.get("size"),
+                blob_hash=prev.get("blob_hash"),
+                stub_reason=prev.get("stub_reason"),
+                changed=False,
+            )
+            return rec
+        estimate = estimated_size(value)
+        if estimate is not None and estimate > self.max_variable_bytes:
+            rec.update(
+                size=estimate,
+                stub_reason=f"too large: ~{estimate} bytes > {self.max_variable_bytes} "
+                "(summarized only)",
+                changed=True,
+            )
+            return rec
+        try:
+            with _time_limit(self.max_variable_seconds):
+                data, codec = serialize(value, max_bytes=self.max_variable_bytes)
+        except _Refused as e:
+            rec.update(stub_reason=str(e), changed=True)
+            return rec
+        except _TooLarge as e:
+            rec.update(
+                size=e.args[0] if e.args else None,
+                stub_reason=f"too large: over {self.max_variable_bytes} bytes serialized "
+                "(summarized only)",
+                changed=True,
+            )
+            return rec
+        except _TooSlow:
+            rec.update(
+                stub_reason=f"too slow: over {self.max_variable_seconds}s to serialize "
+                "(summarized only)",
+                changed=True,
+            )
+            return rec
+        except BaseException as e:  # noqa: B036 - unpicklable: any error makes a stub
+            if isinstance(e, (SystemExit, KeyboardInterrupt)):
+                raise
+            rec.update(stub_reason=f"unpicklable: {type(e).__name__}: {str(e)[:200]}", changed=True)
+            return rec
+        digest = self.store.put_blob(data)
+        summary["codec"] = codec
+        rec.update(
+            size=len(data),
+            blob_hash=digest,
+            changed=prev is None or prev.get("blob_hash") != digest,
+        )
+        return rec
+
+
+# -- scheduling: fork / inline / off -----------------------------------------------------------
+
+
+class SnapshotManager:
+    """Takes the snapshot of each execution according to the recorder's snapshot_mode."""
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        # pid -> [execution_id, started (monotonic), killed]
+        self.children: dict[int, list[Any]] = {}
+        self._frozen = False
+
+    def will_snapshot(self) -> bool:
+        return self.recorder.snapshot_mode != "off"
+
+    def running(self) -> int:
+        return len(self.children)
+
+    def _writer(self) -> SnapshotWriter:
+        r = self.recorder
+        return SnapshotWriter(
+            r.store,
+            r.trajectory_id,
+            secret_pattern=r.secret_pattern,
+            max_variable_bytes=r.max_variable_bytes,
+            max_variable_seconds=r.max_variable_seconds,
+            max_repr_chars=r.max_repr_chars,
+        )
+
+    def take(self, execution_id: int) -> None:
+        mode = self.recorder.snapshot_mode
+        if mode == "inline" or (mode == "fork" and not hasattr(os, "fork")):
+            variables = list(user_variables(self.recorder.shell))
+            self._writer().write(execution_id, variables, mode="inline")
+        elif mode == "fork":
+            self._fork(execution_id)
+
+    def _fork(self, execution_id: int) -> None:
+        r = self.recorder
+        self.reap()
+        if len(self.children) >= max(1, r.max_snapshot_children):
+            r.store.write_snapshot(
+                execution_id,
+                [],
+                status="skipped",
+                mode="fork",
+                detail=f"{len(self.children)} snapshot children still running "
+                f"(max_snapshot_children={r.max_snapshot_children})",
+            )
+            return
+        # No SQLite connection may cross a fork: the child opens its own.
+        r.store.close()
+        gc.freeze()
+        self._frozen = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            self._child(execution_id)  # never returns
+        self.children[pid] = [execution_id, time.monotonic(), False]
+
+    def _child(self, execution_id: int) -> None:
+        code = _CHILD_FAILED
+        try:
+            gc.disable()
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            sink = open(os.devnull, "w")  # noqa: SIM115 - lives until os._exit
+            sys.stdout = sys.stderr = sink
+            variables = list(user_variables(self.recorder.shell))
+            try:
+                self._writer().write(execution_id, variables, mode="fork")
+                code = _CHILD_OK
+            except BaseException as e:  # noqa: B036
+                try:
+                    self.recorder.store.write_snapshot(
+                        execution_id,
+                        [],
+                        status="failed",
+                        mode="fork",
+                        detail=f"{type(e).__name__}: {str(e)[:500]}",
+                    )
+                except BaseException:  # noqa: B036
+                    pass
+        finally:
+            os._exit(code)
+
+    def reap(self) -> None:
+        """Collect finished children (never blocks); kill those past the time bound."""
+        r = self.recorder
+        for pid, entry in list(self.children.items()):
+            execution_id, started, killed = entry
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            except OSError as e:
+                r._report("waiting for a snapshot child failed", e)
+                done, status = pid, 0
+            if done == 0:
+                if not killed and time.monotonic() - started > r.max_snapshot_seconds:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                    entry[2] = True
+                    self._mark_failed(
+                        execution_id, f"snapshot killed after {r.max_snapshot_seconds:g}s"
+                    )
+                continue
+            del self.children[pid]
+            code = os.waitstatus_to_exitcode(status) if status else 0
+            if code not in (_CHILD_OK, _CHILD_FAILED) and not killed:
+                self._mark_failed(execution_id, f"snapshot process exited with status {code}")
+        if not self.children and self._frozen:
+            gc.unfreeze()
+            self._frozen = False
+
+    def _mark_failed(self, execution_id: int, detail: str) -> None:
+        store = self.recorder.store
+        try:
+            if store is not None and store.get_snapshot(execution_id) is None:
+                store.write_snapshot(execution_id, [], status="failed", mode="fork", detail=detail)
+        except Exception as e:
+            self.recorder._report("marking a snapshot failed", e)
+
+    def close(self) -> None:
+        # Running children finish on their own; they hold nothing of the kernel's.
+        self.reap()
