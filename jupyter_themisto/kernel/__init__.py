@@ -14,6 +14,8 @@ __all__ = ["ThemistoRecorder", "get_recorder", "load_ipython_extension", "unload
 
 # One recorder per shell; kept here, not in the person's namespace.
 _RECORDERS: dict[int, ThemistoRecorder] = {}
+# A reload (%reload_ext) continues the kernel session's trajectory rather than starting one.
+_TRAJECTORIES: dict[int, str] = {}
 
 
 def get_recorder(shell: Any = None) -> ThemistoRecorder | None:
@@ -32,7 +34,12 @@ def load_ipython_extension(ipython: Any) -> None:
     recorder = _RECORDERS.get(id(ipython))
     if recorder is None:
         recorder = ThemistoRecorder(ipython)
+        recorder.trajectory_id = _TRAJECTORIES.get(id(ipython))
         _RECORDERS[id(ipython)] = recorder
+        # Lets `%config ThemistoRecorder.snapshot_mode = "inline"` reach it.
+        configurables = getattr(ipython, "configurables", None)
+        if isinstance(configurables, list):
+            configurables.append(recorder)
     recorder.register()
     from .magics import ThemistoMagics
 
@@ -43,3 +50,8 @@ def unload_ipython_extension(ipython: Any) -> None:
     recorder = _RECORDERS.pop(id(ipython), None)
     if recorder is not None:
         recorder.unregister()
+        if recorder.trajectory_id is not None:
+            _TRAJECTORIES[id(ipython)] = recorder.trajectory_id
+        configurables = getattr(ipython, "configurables", None)
+        if isinstance(configurables, list) and recorder in configurables:
+            configurables.remove(recorder)

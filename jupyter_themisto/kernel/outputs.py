@@ -188,6 +188,31 @@ class OutputCapture:
         return msg
 
 
+def drain_fd_pipes(budget: float = 0.02) -> None:
+    """Give ipykernel's fd watcher threads a moment to forward bytes still in their pipes.
+
+    Output written at fd level (subprocesses, C code) travels through a pipe read by a thread;
+    bytes still in the pipe when the cell ends would be missed (and attributed to no cell).
+    Waits at most `budget` seconds, only while a pipe has unread bytes.
+    """
+    import select
+    import time
+
+    fids = [getattr(s, "_fid", None) for s in (sys.stdout, sys.stderr)]
+    fids = [f for f in fids if isinstance(f, int)]
+    if not fids:
+        return
+    deadline = time.monotonic() + budget
+    try:
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select(fids, [], [], 0)
+            if not readable:
+                return
+            time.sleep(0.001)
+    except (OSError, ValueError):
+        return
+
+
 def error_output(shell: Any, execution_count: int | None, exc: BaseException) -> dict[str, Any]:
     """The nbformat error output for an exception raised by a cell."""
     stored = None

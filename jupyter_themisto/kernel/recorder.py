@@ -23,7 +23,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..redaction import DEFAULT_SECRET_PATTERN, compile_pattern, redact_source, redact_text
 from . import resources
-from .outputs import OutputCapture, error_output, finalize_outputs
+from .outputs import OutputCapture, drain_fd_pipes, error_output, finalize_outputs
 
 NOTEBOOK_PATH_ENV = "THEMISTO_NOTEBOOK_PATH"
 # Seconds between attempts to reopen a store that could not be opened.
@@ -237,6 +237,7 @@ class ThemistoRecorder(LoggingConfigurable):
         try:
             wall = time.perf_counter() - current["t0"]
             cpu = time.process_time() - current["cpu0"]
+            drain_fd_pipes()
             raw_outputs = self.capture.stop()
             after = resources.rss()
             peak = self.peak.peak(current["memory_before"], after)

@@ -5,7 +5,8 @@ without IPython's own (hidden) names and without modules.
 
 Per variable, in this order:
 
-1. a name matching the secret pattern -> stub with the type only (no value, repr, fingerprint);
+1. a name matching the secret pattern, or a dict holding a secret-named key (one level deep)
+   -> stub with the type only (no value, repr, fingerprint);
 2. objects that must not or cannot be pickled -> stub (type, short repr, reason): file objects
    (pickling flushes them: in a forked child that writes the person's buffered data twice),
    sockets, locks, generators, coroutines, frames, tracebacks, modules inside containers,
@@ -400,6 +401,20 @@ def _pandas_fingerprint(value: Any, xxhash: Any) -> str | None:
     return None
 
 
+def _secret_key_in(value: Any, pattern: str | None) -> str | None:
+    """A secret-named string key of a mapping (one level deep: `{"db": {"password": ..}}`)."""
+    if not isinstance(value, dict) or len(value) > 10 * _SMALL_CONTAINER:
+        return None
+    for key, item in value.items():
+        if isinstance(key, str) and is_secret_name(key, pattern):
+            return key
+        if isinstance(item, dict) and len(item) <= _SMALL_CONTAINER:
+            for sub in item:
+                if isinstance(sub, str) and is_secret_name(sub, pattern):
+                    return f"{key}.{sub}"
+    return None
+
+
 # -- writing a snapshot ------------------------------------------------------------------------
 
 
@@ -436,7 +451,8 @@ class SnapshotWriter:
         previous = self.previous()
         records = [self.record(name, value, previous.get(name)) for name, value in variables]
         complete = all(
-            r.get("blob_hash") or r.get("stub_reason") == REDACTED_REASON for r in records
+            r.get("blob_hash") or str(r.get("stub_reason") or "").startswith("redacted")
+            for r in records
         )
         status = "ok" if complete else "partial"
         sid = self.store.write_snapshot(
@@ -453,6 +469,14 @@ class SnapshotWriter:
         if is_secret_name(name, self.secret_pattern):
             rec.update(summary={"redacted": True}, stub_reason=REDACTED_REASON)
             rec["changed"] = prev is None or prev.get("type") != rec["type"]
+            return rec
+        secret_key = _secret_key_in(value, self.secret_pattern)
+        if secret_key is not None:
+            rec.update(
+                summary={"redacted": True, "len": len(value)},
+                stub_reason=f"redacted: holds the secret-named key {secret_key!r}",
+            )
+            rec["changed"] = prev is None or prev.get("stub_reason") != rec["stub_reason"]
             return rec
         summary = summarize(value, self.max_repr_chars)
         rec["summary"] = summary

@@ -1,0 +1,280 @@
+"""The kernel recorder end to end: real ipykernel kernels, cells sent over the Jupyter protocol,
+assertions on the trajectory store."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jupyter_themisto.kernel.outputs import BLOB_KEY, TRUNCATION_MARKER, resolve_blob_refs
+from jupyter_themisto.store import TrajectoryStore
+
+from .test_recorder_kernel import NOTEBOOK, RecordingKernel
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    store = tmp_path_factory.mktemp("recorder") / "trajectories.sqlite"
+    k = RecordingKernel(store, ["--ThemistoRecorder.max_output_bytes=2000"])
+    yield k
+    k.shutdown()
+
+
+def test_trajectory_metadata(kernel):
+    kernel.run("pass")
+    with kernel.store() as store:
+        (traj,) = store.list_trajectories()
+    assert traj["notebook_path"] == NOTEBOOK
+    assert traj["kernel_id"]
+    assert traj["python_version"] == sys.version.split()[0]
+    assert "ipykernel" in traj["packages"] and "numpy" in traj["packages"]
+    assert traj["host"]["cpus"] >= 1
+
+
+def test_order_cell_ids_and_output_kinds(kernel):
+    before = len(kernel.executions())
+    # Cells run in an order unlike the notebook's: c3, c1, c2, then c1 again.
+    runs = [
+        ("c3", "y = 40 + 2\ny"),
+        ("c1", "import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)"),
+        ("c2", "raise ValueError('bad value')"),
+        ("c1", "print('again')"),
+    ]
+    done = [kernel.run(code, cell_id) for cell_id, code in runs]
+    rows = kernel.executions()[before:]
+    assert [r["cell_id"] for r in rows] == ["c3", "c1", "c2", "c1"]
+    assert [r["msg_id"] for r in rows] == [d.msg_id for d in done]
+    assert [r["order_index"] for r in rows] == list(range(before, before + 4))
+    counts = [r["execution_count"] for r in rows]
+    assert counts == sorted(counts) and len(set(counts)) == 4
+
+    result, streams, error, again = rows
+    assert result["status"] == "ok"
+    assert result["outputs"] == [
+        {
+            "output_type": "execute_result",
+            "execution_count": result["execution_count"],
+            "data": {"text/plain": "42"},
+            "metadata": {},
+        }
+    ]
+    assert streams["outputs"] == [
+        {"output_type": "stream", "name": "stdout", "text": "to stdout\n"},
+        {"output_type": "stream", "name": "stderr", "text": "to stderr\n"},
+    ]
+    assert error["status"] == "error"
+    (err,) = error["outputs"]
+    assert err["output_type"] == "error"
+    assert err["ename"] == "ValueError" and err["evalue"] == "bad value"
+    # The same traceback the person saw.
+    assert err["traceback"] == done[2].of("error")[0]["traceback"]
+    assert again["outputs"][0]["text"] == "again\n"
+    assert [r["source"] for r in rows] == [code for _, code in runs]
+    for row in rows:
+        assert row["wall_time"] > 0 and row["cpu_time"] >= 0
+        assert row["started_at"] > time.time() - 600
+        assert row["memory_before"] > 10_000_000 and row["memory_after"] > 10_000_000
+        assert row["memory_peak"] >= min(row["memory_before"], row["memory_after"])
+
+
+def test_fd_level_output_and_per_cell_peak(kernel):
+    done = kernel.run(
+        "import os, time\nos.system('echo from a subprocess')\ntime.sleep(0.3)\n"
+        "big = b'x' * 300_000_000\ndel big"
+    )
+    row = kernel.execution(done.msg_id)
+    texts = "".join(o.get("text", "") for o in row["outputs"] if o["output_type"] == "stream")
+    assert "from a subprocess" in texts
+    # The 300 MB allocated and freed inside the cell shows in its peak, not in its after.
+    assert row["memory_peak"] - row["memory_before"] > 250_000_000
+    assert row["memory_peak"] - row["memory_after"] > 250_000_000
+
+
+def test_matplotlib_png_goes_to_blob_store(kernel):
+    done = kernel.run(
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\n"
+        "fig, ax = plt.subplots()\nax.plot([1, 3, 2])\nplt.show()"
+    )
+    shown = done.of("display_data")
+    assert shown and "image/png" in shown[0]["data"]
+    row = kernel.execution(done.msg_id)
+    (display,) = [o for o in row["outputs"] if o["output_type"] == "display_data"]
+    ref = display["data"]["image/png"]
+    assert set(ref) == {BLOB_KEY, "bytes", "encoding"}
+    with kernel.store() as store:
+        png = store.get_blob(ref[BLOB_KEY])
+        assert png.startswith(b"\x89PNG") and len(png) == ref["bytes"]
+        resolved = resolve_blob_refs(display, store.get_blob)
+    assert resolved["data"]["image/png"].replace("\n", "") == shown[0]["data"]["image/png"].replace(
+        "\n", ""
+    )
+    assert base64.b64decode(resolved["data"]["image/png"]) == png
+    # No inline base64 in the stored row.
+    assert len(json.dumps(row["outputs"])) < 2000
+
+
+def test_long_output_is_truncated_visibly(kernel):
+    done = kernel.run("print('x' * 10_000)")
+    # The person still sees everything.
+    assert sum(len(c["text"]) for c in done.of("stream")) == 10_001
+    (out,) = kernel.execution(done.msg_id)["outputs"]
+    assert out["text"].startswith("x" * 2000)
+    assert TRUNCATION_MARKER.format(omitted=10_001 - 2000) in out["text"]
+
+
+def test_interrupted_status(kernel):
+    msg_id = kernel.send("import time\ntime.sleep(60)", "sleepy")
+    # Wait until the cell is running (its execute_input was broadcast).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        msg = kernel.kc.get_iopub_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+            break
+    time.sleep(0.5)
+    kernel.km.interrupt_kernel()
+    done = kernel.collect(msg_id)
+    assert done.reply["status"] == "error"
+    row = kernel.execution(msg_id)
+    assert row["status"] == "interrupted"
+    assert row["outputs"][-1]["ename"] == "KeyboardInterrupt"
+    assert 0.3 < row["wall_time"] < 60
+    # The kernel and the recorder go on.
+    after = kernel.run("1 + 1")
+    assert kernel.execution(after.msg_id)["status"] == "ok"
+
+
+def test_load_twice_records_once_and_magic_pauses(kernel):
+    kernel.run("%load_ext jupyter_themisto")
+    kernel.run("%reload_ext jupyter_themisto")
+    n = len(kernel.executions())
+    kernel.run("z = 1")
+    assert len(kernel.executions()) == n + 1
+    status = kernel.run("%themisto status")
+    assert "enabled: True" in status.of("stream")[0]["text"]
+    kernel.run("%themisto off")
+    n = len(kernel.executions())
+    kernel.run("print('not recorded')")
+    kernel.run("%themisto on")
+    assert len(kernel.executions()) == n
+    kernel.run("print('recorded')")
+    assert kernel.executions()[-1]["source"] == "print('recorded')"
+
+
+def test_reader_in_another_process_during_writes(kernel):
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from jupyter_themisto.store import TrajectoryStore
+                store = TrajectoryStore({str(kernel.store_path)!r}, readonly=True)
+                seen, reads, end = [], 0, time.monotonic() + 120
+                while time.monotonic() < end:
+                    (t,) = store.list_trajectories()
+                    rows = store.list_executions(t["id"], offset=0, limit=1000)
+                    assert [r["order_index"] for r in rows] == list(range(len(rows)))
+                    seen.append(len(rows))
+                    reads += 1
+                    if sys.stdin.closed or len(rows) >= int(sys.argv[1]):
+                        break
+                    time.sleep(0.005)
+                print(reads, min(seen), max(seen))
+                """
+            ),
+            str(len(kernel.executions()) + 25),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for i in range(25):
+        kernel.run(f"v{i} = {i}\nprint(v{i})")
+    out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err
+    reads, low, high = map(int, out.split())
+    assert reads >= 2 and high > low
+
+
+def test_sigkill_mid_cell_leaves_store_intact(tmp_path):
+    path = tmp_path / "killed.sqlite"
+    k = RecordingKernel(path)
+    try:
+        for i in range(5):
+            k.run(f"a{i} = list(range({i}))\nprint({i})")
+        k.wait_snapshot(k.run("done = True").msg_id)
+        k.send("import time\nwhile True: time.sleep(0.01)")
+        time.sleep(1.0)
+        os.kill(k.km.provisioner.pid, signal.SIGKILL)
+        k.km.provisioner.process.wait(30)
+    finally:
+        k.kc.stop_channels()
+        k.km.cleanup_resources()
+    store = TrajectoryStore(path, readonly=True)
+    assert store._conn().execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    (traj,) = store.list_trajectories()
+    rows = store.list_executions(traj["id"])
+    assert len(rows) == 6
+    assert [r["outputs"][0]["text"] for r in rows[:5]] == [f"{i}\n" for i in range(5)]
+    assert {r["snapshot_status"] for r in rows[:6]} <= {"ok", "partial"}
+
+
+def test_unwritable_store_never_breaks_cells(tmp_path):
+    path = tmp_path / "broken.sqlite"
+    k = RecordingKernel(path)
+    cells = [
+        ("print('hello')", [("stream", {"name": "stdout", "text": "hello\n"})]),
+        ("1 + 2", [("execute_result", {"text/plain": "3"})]),
+        ("from IPython.display import HTML, display\ndisplay(HTML('<b>hi</b>'))", None),
+        ("raise KeyError('k')", None),
+    ]
+    try:
+        healthy = [k.run(code) for code, _ in cells]
+        k.wait_snapshot(healthy[-1].msg_id)
+        # Break the store under the running kernel: garbage in the database and its log.
+        for suffix in ("", "-wal"):
+            target = path.with_name(path.name + suffix)
+            if target.exists():
+                with open(target, "r+b") as f:
+                    f.write(b"not a database " * 4096)
+        shm = path.with_name(path.name + "-shm")
+        if shm.exists():
+            shm.unlink()
+        broken = [k.run(code) for code, _ in cells]
+        for ok, bad in zip(healthy, broken, strict=True):
+            assert _shown(bad) == _shown(ok)
+            assert bad.reply["status"] == ok.reply["status"]
+        assert broken[0].outputs == [("stream", {"name": "stdout", "text": "hello\n"})]
+        # Nothing of the recorder's trouble reached the person.
+        assert not any("themisto" in json.dumps(c) for b in broken for _, c in b.outputs)
+        # The recorder did fail (and said so in the kernel's log, not in the cells).
+        status = k.run("%themisto status").of("stream")[0]["text"]
+        assert int(status.split("errors: ")[1].split()[0]) >= len(cells)
+        # The kernel is alive and its state intact.
+        assert k.run("40 + 2").of("execute_result")[0]["data"]["text/plain"] == "42"
+    finally:
+        k.shutdown()
+    with pytest.raises(sqlite3.DatabaseError):
+        TrajectoryStore(path, readonly=True).list_trajectories()
+
+
+def _shown(done):
+    """What the person saw, minus what differs between two runs of the same cell."""
+    out = []
+    for kind, content in done.outputs:
+        content = dict(content)
+        content.pop("execution_count", None)
+        if kind == "error":
+            content["traceback"] = [t.split("In[")[0] for t in content["traceback"]]
+        out.append((kind, content))
+    return out
