@@ -1,0 +1,166 @@
+"""Namespace snapshots taken by the recorder in a real kernel (fork mode, and inline)."""
+
+from __future__ import annotations
+
+import pickle
+import sqlite3
+
+import numpy as np
+import pytest
+import zstandard
+
+from .test_recorder_kernel import RecordingKernel
+
+SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    store = tmp_path_factory.mktemp("snapshots") / "trajectories.sqlite"
+    k = RecordingKernel(store)
+    yield k
+    k.shutdown()
+
+
+def test_summaries_of_common_values(kernel):
+    done = kernel.run(
+        "import numpy as np, pandas as pd\n"
+        "items = [1, 2, 3]\n"
+        "config = {'lr': 0.1, 'epochs': 3}\n"
+        "arr = np.arange(12, dtype='float32').reshape(3, 4)\n"
+        "df = pd.DataFrame({'a': [1, 2], 'b': ['x', 'y'], 'c': [0.5, 1.5]})\n"
+        "def helper(x):\n    return x + 1\n"
+    )
+    v = kernel.variables(done.msg_id)
+    # What %who shows: no modules (np, pd), no IPython names (In, Out, _), no recorder objects.
+    assert set(v) == {"items", "config", "arr", "df", "helper"}
+    assert v["items"]["type"] == "list" and v["items"]["summary"]["len"] == 3
+    assert v["items"]["summary"]["repr"] == "[1, 2, 3]"
+    assert v["config"]["summary"]["len"] == 2
+    assert v["arr"]["type"] == "numpy.ndarray"
+    assert v["arr"]["summary"]["shape"] == [3, 4] and v["arr"]["summary"]["dtype"] == "float32"
+    assert v["df"]["type"] == "pandas.DataFrame"
+    assert v["df"]["summary"]["columns"] == ["a", "b", "c"]
+    assert v["df"]["summary"]["dtypes"]["a"] == "int64"
+    assert v["df"]["summary"]["dtypes"]["c"] == "float64"
+    assert v["df"]["summary"]["shape"] == [2, 3]
+    # The blobs hold the values themselves.
+    with kernel.store() as store:
+        assert pickle.loads(store.get_blob(v["items"]["blob_hash"])) == [1, 2, 3]
+        arr = pickle.loads(store.get_blob(v["arr"]["blob_hash"]))
+        assert np.array_equal(arr, np.arange(12, dtype="float32").reshape(3, 4))
+        assert store.get_snapshot(kernel.execution(done.msg_id)["id"])["mode"] == "fork"
+
+
+def test_unchanged_variables_cost_no_new_blob(kernel):
+    first = kernel.run("big = np.random.default_rng(0).random((500, 400))\nnames = ['a'] * 1000")
+    v1 = kernel.variables(first.msg_id)
+    with kernel.store() as store:
+        blobs_before = store.blob_stats()["count"]
+    steps = [kernel.run(f"counter = {i}") for i in range(3)]
+    for step in steps:
+        v = kernel.variables(step.msg_id)
+        for name in ("big", "names", "items", "arr", "df"):
+            assert v[name]["blob_hash"] == v1[name]["blob_hash"]
+            assert v[name]["changed"] is False
+        assert v["big"]["fingerprint"] == v1["big"]["fingerprint"] is not None
+    with kernel.store() as store:
+        # Only the new small `counter` values were stored.
+        assert store.blob_stats()["count"] - blobs_before <= 3
+    changed = kernel.run("big[0, 0] = -1.0")
+    v = kernel.variables(changed.msg_id)
+    assert v["big"]["changed"] is True
+    assert v["big"]["blob_hash"] != v1["big"]["blob_hash"]
+    assert v["big"]["fingerprint"] != v1["big"]["fingerprint"]
+    assert v["names"]["changed"] is False
+
+
+def test_unpicklables_become_stubs_and_files_are_untouched(kernel, tmp_path):
+    target = tmp_path / "user-file.txt"
+    done = kernel.run(
+        "import socket, threading\n"
+        f"fh = open({str(target)!r}, 'w')\n"
+        "fh.write('abc')  # buffered, not flushed\n"
+        "sock = socket.socket()\n"
+        "lock = threading.Lock()\n"
+        "gen = (i for i in range(3))\n"
+        "bag = [1, fh]\n"
+        "fn = lambda x: x * 2\n"
+    )
+    v = kernel.variables(done.msg_id)
+    assert "file object" in v["fh"]["stub_reason"] and v["fh"]["blob_hash"] is None
+    assert "file object" in v["bag"]["stub_reason"]
+    assert v["sock"]["stub_reason"] == "socket"
+    assert v["lock"]["stub_reason"] == "lock"
+    assert v["gen"]["stub_reason"] == "generator"
+    assert v["gen"]["summary"]["repr"].startswith("<generator object")
+    # pickle refuses a lambda; dill takes it.
+    assert v["fn"]["blob_hash"] and v["fn"]["summary"]["codec"] == "dill"
+    assert kernel.wait_snapshot(done.msg_id)["snapshot_status"] == "partial"
+    kernel.run("fh.close(); sock.close()")
+    # The snapshot child never flushed the person's buffer: written once, by the person.
+    assert target.read_text() == "abc"
+
+
+def test_secrets_are_redacted_everywhere(kernel):
+    parts = SECRET.split("-")
+    done = kernel.run(
+        f"api_token = '-'.join({parts!r})\n"
+        "settings = {'db': {'password': api_token}}\n"
+        "print('token is', api_token)\n"
+        "api_token"
+    )
+    v = kernel.variables(done.msg_id)
+    assert v["api_token"]["stub_reason"].startswith("redacted")
+    assert v["api_token"]["summary"] == {"redacted": True}
+    assert v["api_token"]["blob_hash"] is None and v["api_token"]["fingerprint"] is None
+    assert v["settings"]["stub_reason"].startswith("redacted") and not v["settings"]["blob_hash"]
+    row = kernel.execution(done.msg_id)
+    assert "<redacted>" in row["outputs"][0]["text"]
+    literal = kernel.run(f"GITHUB_TOKEN = {SECRET!r}")
+    assert kernel.execution(literal.msg_id)["source"] == "GITHUB_TOKEN = '<redacted>'"
+    kernel.wait_snapshot(literal.msg_id)
+    # Nowhere in the database's bytes, nor in any (decompressed) blob.
+    raw = b"".join(
+        p.read_bytes()
+        for p in kernel.store_path.parent.iterdir()
+        if p.name.startswith(kernel.store_path.name)
+    )
+    assert SECRET.encode() not in raw
+    conn = sqlite3.connect(kernel.store_path)
+    try:
+        for codec, data in conn.execute("SELECT codec, data FROM blobs"):
+            blob = zstandard.ZstdDecompressor().decompress(data) if codec == "zstd" else data
+            assert SECRET.encode() not in blob
+    finally:
+        conn.close()
+
+
+def test_matplotlib_objects_are_summarized(kernel):
+    done = kernel.run(
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nfig, axes = plt.subplots(1, 2)"
+    )
+    v = kernel.variables(done.msg_id)
+    assert v["fig"]["stub_reason"].startswith("matplotlib object")
+    assert v["axes"]["stub_reason"].startswith("matplotlib object")
+    again = kernel.variables(kernel.run("counter = 99").msg_id)
+    assert again["fig"]["changed"] is False
+
+
+def test_size_bound_and_inline_mode(kernel):
+    kernel.run("%config ThemistoRecorder.max_variable_bytes = 1_000_000")
+    kernel.run("%config ThemistoRecorder.snapshot_mode = 'inline'")
+    done = kernel.run("huge = np.zeros(2_000_000)\nhuge_list = list(range(300_000))")
+    # Inline: the snapshot is written before the cell's reply.
+    row = kernel.execution(done.msg_id)
+    assert row["snapshot_status"] in ("ok", "partial")
+    with kernel.store() as store:
+        assert store.get_snapshot(row["id"])["mode"] == "inline"
+        v = {x["name"]: x for x in store.get_variables(row["id"])}
+    assert v["huge"]["stub_reason"].startswith("too large") and v["huge"]["blob_hash"] is None
+    assert v["huge"]["summary"]["shape"] == [2_000_000]
+    assert v["huge_list"]["stub_reason"].startswith("too large")
+    kernel.run("%config ThemistoRecorder.snapshot_mode = 'off'")
+    off = kernel.run("after_off = 1")
+    assert kernel.execution(off.msg_id)["snapshot_status"] == "off"
+    kernel.run("%config ThemistoRecorder.snapshot_mode = 'fork'")
