@@ -1,0 +1,164 @@
+/**
+ * The plugin's shared state: settings, the latest next-cell prediction per notebook, and the
+ * quiet status line every feature reports to (the panel shows it; nothing pops up).
+ */
+import { NotebookPanel } from '@jupyterlab/notebook';
+import { UUID } from '@lumino/coreutils';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import { describeFailure, streamPrediction } from './handler';
+import { DEFAULT_SETTINGS, IThemistoSettings, notebookOptedOut } from './settings';
+import { IPredictRequest, IPredictionResult } from './types';
+
+/** One quiet message for the panel. */
+export interface IStatus {
+  level: 'info' | 'warning' | 'error';
+  message: string;
+}
+
+/** The next-cell prediction last asked for a notebook, as it streams. */
+export interface INextCellState {
+  notebookPath: string;
+  state: 'pending' | 'streaming' | 'done' | 'failed';
+  result: IPredictionResult | null;
+  startedAt: number;
+}
+
+export class ThemistoService {
+  /** Sent with every request so the server cancels our superseded ones. */
+  readonly clientId = UUID.uuid4();
+
+  get settings(): IThemistoSettings {
+    return this._settings;
+  }
+
+  set settings(value: IThemistoSettings) {
+    this._settings = value;
+    this._settingsChanged.emit(value);
+  }
+
+  get settingsChanged(): ISignal<this, IThemistoSettings> {
+    return this._settingsChanged;
+  }
+
+  get statusChanged(): ISignal<this, IStatus | null> {
+    return this._statusChanged;
+  }
+
+  get nextCellChanged(): ISignal<this, INextCellState> {
+    return this._nextCellChanged;
+  }
+
+  get status(): IStatus | null {
+    return this._status;
+  }
+
+  /** Show (or clear with null) the quiet status message. */
+  setStatus(status: IStatus | null): void {
+    this._status = status;
+    this._statusChanged.emit(status);
+  }
+
+  reportFailure(error: unknown): void {
+    this.setStatus({ level: 'warning', message: describeFailure(error) });
+  }
+
+  nextCellState(notebookPath: string): INextCellState | null {
+    return this._nextCell.get(notebookPath) ?? null;
+  }
+
+  /** Whether predictions are on for this notebook (global switch and its metadata switch). */
+  isActiveFor(panel: NotebookPanel | null): boolean {
+    return !!panel && this._settings.enabled && !notebookOptedOut(panel.content.model);
+  }
+
+  /** The request body shared by both tasks: which kernel, which notebook, which backend. */
+  baseRequest(panel: NotebookPanel): IPredictRequest {
+    const request: IPredictRequest = {
+      notebook_path: panel.context.path,
+      with_runtime: this._settings.withRuntime,
+      client_id: this.clientId
+    };
+    const kernel = panel.sessionContext.session?.kernel;
+    if (kernel) {
+      request.kernel_id = kernel.id;
+    }
+    if (this._settings.backend) {
+      request.backend = this._settings.backend;
+    }
+    return request;
+  }
+
+  /**
+   * Predict the next cell of `panel`; the ghost text and the panel both read this one stream.
+   * `onUpdate` sees every partial result.
+   */
+  async predictNextCell(
+    panel: NotebookPanel,
+    signal: AbortSignal,
+    onUpdate?: (result: IPredictionResult) => void
+  ): Promise<IPredictionResult> {
+    const request = this.baseRequest(panel);
+    request.n = this._settings.suggestions;
+    request.cells = [];
+    const model = panel.content.model;
+    if (model) {
+      for (let i = 0; i < model.cells.length; i++) {
+        const cell = model.cells.get(i);
+        request.cells.push({ cell_type: cell.type, source: cell.sharedModel.getSource() });
+      }
+    }
+    const path = panel.context.path;
+    const state: INextCellState = {
+      notebookPath: path,
+      state: 'pending',
+      result: null,
+      startedAt: performance.now()
+    };
+    this._nextCell.set(path, state);
+    this._nextCellChanged.emit(state);
+    const controller = new AbortController();
+    const abort = () => controller.abort();
+    signal.addEventListener('abort', abort);
+    const timer = setTimeout(() => controller.abort(), this._settings.timeoutMs);
+    try {
+      const result = await streamPrediction('next-cell', request, controller.signal, partial => {
+        state.state = 'streaming';
+        state.result = partial;
+        this._nextCellChanged.emit(state);
+        onUpdate?.(partial);
+      });
+      state.state = 'done';
+      state.result = result;
+      this._nextCellChanged.emit(state);
+      if (result.noPrediction) {
+        this.setStatus({ level: 'info', message: `No suggestion yet: ${result.noPrediction}` });
+      } else {
+        this.setStatus(null);
+      }
+      return result;
+    } catch (error) {
+      state.state = 'failed';
+      this._nextCellChanged.emit(state);
+      if (controller.signal.aborted && !signal.aborted) {
+        this.setStatus({
+          level: 'warning',
+          message: `The backend did not answer within ${this._settings.timeoutMs} ms.`
+        });
+      } else if (!signal.aborted) {
+        this.reportFailure(error);
+      }
+      throw error;
+    } finally {
+      clearTimeout(timer);
+      signal.removeEventListener('abort', abort);
+    }
+  }
+
+  private _settings: IThemistoSettings = { ...DEFAULT_SETTINGS };
+  private _status: IStatus | null = null;
+  private _nextCell = new Map<string, INextCellState>();
+  private _settingsChanged = new Signal<this, IThemistoSettings>(this);
+  private _statusChanged = new Signal<this, IStatus | null>(this);
+  private _nextCellChanged = new Signal<this, INextCellState>(this);
+}

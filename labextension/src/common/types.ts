@@ -1,0 +1,97 @@
+/**
+ * Message types crossing the wire between the plugin and the themisto server routes.
+ */
+
+/** A recorded trajectory (the store's dict). */
+export interface ITrajectory {
+  id: string;
+  notebook_path: string | null;
+  kernel_id: string | null;
+  started_at: number | string | null;
+  n_executions?: number;
+  [key: string]: unknown;
+}
+
+/** One recorded execution (a store row). */
+export interface IExecution {
+  id: string | number;
+  order_index: number;
+  cell_id: string | null;
+  execution_count: number | null;
+  source: string;
+  outputs: unknown[];
+  status: string;
+  started_at: number | string | null;
+  wall_time: number | null;
+  cpu_time: number | null;
+  memory_before: number | null;
+  memory_after: number | null;
+  memory_peak: number | null;
+  snapshot_status: string | null;
+}
+
+export interface IBackendInfo {
+  name: string;
+  description: string;
+  tasks: string[];
+  health: { ok: boolean; detail: string };
+}
+
+/** Body of POST /themisto/predict/next-cell and /themisto/predict/output. */
+export interface IPredictRequest {
+  kernel_id?: string;
+  trajectory_id?: string;
+  notebook_path?: string;
+  backend?: string;
+  with_runtime?: boolean;
+  n?: number;
+  cells?: { cell_type: string; source: string }[];
+  source?: string;
+  client_id?: string;
+}
+
+export interface IMetaEvent {
+  backend: string;
+  request_id: string;
+}
+
+export interface INextCellChunk {
+  index: number;
+  text: string;
+  done: boolean;
+  score?: number | null;
+}
+
+export interface IOutputChunk {
+  text: string;
+}
+
+export interface IDoneEvent {
+  backend: string;
+  elapsed_ms: number;
+}
+
+/** One server-sent event, already JSON-decoded. */
+export type PredictEvent =
+  | { event: 'meta'; data: IMetaEvent }
+  | { event: 'chunk'; data: INextCellChunk & IOutputChunk }
+  | { event: 'no_prediction'; data: { reason: string } }
+  | { event: 'error'; data: { status: number; message: string } }
+  | { event: 'done'; data: IDoneEvent };
+
+/** A next-cell suggestion as it accumulates from the stream. */
+export interface ISuggestion {
+  index: number;
+  text: string;
+  done: boolean;
+  score: number | null;
+}
+
+/** The outcome of a whole prediction request. */
+export interface IPredictionResult {
+  backend: string | null;
+  elapsedMs: number | null;
+  suggestions: ISuggestion[];
+  output: string;
+  noPrediction: string | null;
+}

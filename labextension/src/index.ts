@@ -1,0 +1,85 @@
+/**
+ * jupyter-themisto's JupyterLab plugin: ghost-text next cell, suggestion panel, predicted outputs
+ * and the trajectory timeline, configured through the settings registry.
+ */
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ICommandPalette } from '@jupyterlab/apputils';
+import { ICompletionProviderManager } from '@jupyterlab/completer';
+import { INotebookTracker } from '@jupyterlab/notebook';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+
+import { ThemistoService } from './common/service';
+import { PLUGIN_ID, readSettings } from './common/settings';
+import { activateNextCell, SUGGEST_COMMAND } from './completer/plugin';
+import { activateOutputPrediction, PREDICT_OUTPUT_COMMAND } from './output/plugin';
+import { activatePanel, TOGGLE_PANEL_COMMAND } from './panel/plugin';
+
+const TOGGLE_NOTEBOOK_COMMAND = 'themisto:toggle-notebook';
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: PLUGIN_ID,
+  description: 'Runtime-aware next-cell and output prediction for notebooks.',
+  autoStart: true,
+  requires: [ICompletionProviderManager, INotebookTracker],
+  optional: [ISettingRegistry, ICommandPalette],
+  activate: async (
+    app: JupyterFrontEnd,
+    manager: ICompletionProviderManager,
+    tracker: INotebookTracker,
+    registry: ISettingRegistry | null,
+    palette: ICommandPalette | null
+  ) => {
+    const service = new ThemistoService();
+    activateNextCell(service, manager, tracker, app.commands);
+    activateOutputPrediction(service, tracker, app.commands);
+    activatePanel(app, service, tracker);
+
+    app.commands.addCommand(TOGGLE_NOTEBOOK_COMMAND, {
+      label: 'Themisto: Record and Predict in This Notebook',
+      isToggled: () => {
+        const meta = tracker.currentWidget?.content.model?.getMetadata('themisto') as
+          | { record?: boolean }
+          | undefined;
+        return !meta || meta.record !== false;
+      },
+      isEnabled: () => !!tracker.currentWidget,
+      execute: () => {
+        const model = tracker.currentWidget?.content.model;
+        if (!model) {
+          return;
+        }
+        const meta = { ...((model.getMetadata('themisto') as object) ?? {}) } as {
+          record?: boolean;
+        };
+        meta.record = meta.record === false;
+        model.setMetadata('themisto', meta);
+      }
+    });
+
+    if (palette) {
+      for (const command of [
+        SUGGEST_COMMAND,
+        PREDICT_OUTPUT_COMMAND,
+        TOGGLE_PANEL_COMMAND,
+        TOGGLE_NOTEBOOK_COMMAND
+      ]) {
+        palette.addItem({ command, category: 'Themisto' });
+      }
+    }
+
+    if (registry) {
+      try {
+        const settings = await registry.load(PLUGIN_ID);
+        service.settings = readSettings(settings);
+        settings.changed.connect(() => (service.settings = readSettings(settings)));
+      } catch (error) {
+        service.setStatus({
+          level: 'warning',
+          message: `Themisto settings could not be loaded; using defaults (${String(error)}).`
+        });
+      }
+    }
+  }
+};
+
+export default plugin;

@@ -1,0 +1,98 @@
+/**
+ * The dimmed "predicted output" area under a code cell and the badge that replaces it when the
+ * cell really runs, saying whether the prediction matched.
+ */
+import { Widget } from '@lumino/widgets';
+
+/** Plain text of nbformat outputs, the same shape the backends predict. */
+export function outputsText(outputs: any[]): string {
+  const parts: string[] = [];
+  for (const output of outputs) {
+    switch (output.output_type) {
+      case 'stream':
+        parts.push(joinText(output.text));
+        break;
+      case 'execute_result':
+      case 'display_data': {
+        const data = output.data ?? {};
+        if (data['text/plain'] !== undefined) {
+          parts.push(joinText(data['text/plain']));
+          if (!parts[parts.length - 1].endsWith('\n')) {
+            parts[parts.length - 1] += '\n';
+          }
+        }
+        break;
+      }
+      case 'error':
+        parts.push(`${output.ename}: ${output.evalue}\n`);
+        break;
+    }
+  }
+  return parts.join('');
+}
+
+function joinText(text: string | string[]): string {
+  return Array.isArray(text) ? text.join('') : String(text ?? '');
+}
+
+/** Compare ignoring trailing whitespace and blank-line differences. */
+export function outputsMatch(predicted: string, actual: string): boolean {
+  const norm = (text: string) =>
+    text
+      .split('\n')
+      .map(line => line.replace(/\s+$/, ''))
+      .filter(line => line !== '')
+      .join('\n');
+  return norm(predicted) === norm(actual);
+}
+
+/** The dimmed area showing a streamed output prediction. */
+export class PredictedOutput extends Widget {
+  constructor() {
+    super();
+    this.addClass('jp-ThemistoPredictedOutput');
+    this._label = document.createElement('div');
+    this._label.className = 'jp-ThemistoPredictedOutput-label';
+    this._text = document.createElement('pre');
+    this._text.className = 'jp-ThemistoPredictedOutput-text';
+    this.node.append(this._label, this._text);
+    this.setState('pending');
+  }
+
+  get text(): string {
+    return this._value;
+  }
+
+  setText(text: string): void {
+    this._value = text;
+    this._text.textContent = text;
+  }
+
+  setState(state: 'pending' | 'streaming' | 'done' | 'none' | 'failed', detail = ''): void {
+    this.node.dataset.state = state;
+    const what = {
+      pending: 'Predicting output…',
+      streaming: 'Predicted output (streaming)',
+      done: 'Predicted output',
+      none: 'No output prediction',
+      failed: 'Output prediction failed'
+    }[state];
+    this._label.textContent = detail ? `${what} · ${detail}` : what;
+  }
+
+  private _label: HTMLDivElement;
+  private _text: HTMLPreElement;
+  private _value = '';
+}
+
+/** The small badge left after the real output arrives. */
+export class PredictionBadge extends Widget {
+  constructor(matched: boolean, predicted: string) {
+    super();
+    this.addClass('jp-ThemistoPredictionBadge');
+    this.addClass(matched ? 'jp-mod-matched' : 'jp-mod-differed');
+    this.node.dataset.matched = String(matched);
+    this.node.textContent = matched ? '✓ prediction matched' : '✗ prediction differed';
+    this.node.title = `Predicted output:\n${predicted}`;
+  }
+}

@@ -1,0 +1,55 @@
+/**
+ * Wiring of the side panel: adds it to the right sidebar and keeps it in step with the active
+ * notebook and its executions.
+ */
+import { ILabShell, JupyterFrontEnd } from '@jupyterlab/application';
+import { INotebookTracker, NotebookActions } from '@jupyterlab/notebook';
+import { LabIcon } from '@jupyterlab/ui-components';
+
+import { ThemistoService } from '../common/service';
+import { ThemistoPanel } from './widget';
+
+export const TOGGLE_PANEL_COMMAND = 'themisto:toggle-panel';
+
+const ICON_SVG = `<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24">
+<g class="jp-icon3" fill="#616161"><circle cx="12" cy="12" r="4"/>
+<path d="M12 2a10 10 0 1 0 10 10h-2a8 8 0 1 1-8-8z"/></g></svg>`;
+
+export const themistoIcon = new LabIcon({ name: 'jupyter-themisto:icon', svgstr: ICON_SVG });
+
+export function activatePanel(
+  app: JupyterFrontEnd,
+  service: ThemistoService,
+  tracker: INotebookTracker
+): ThemistoPanel {
+  const panel = new ThemistoPanel({
+    service,
+    getNotebook: () => tracker.currentWidget
+  });
+  panel.title.icon = themistoIcon;
+  app.shell.add(panel, 'right', { rank: 900 });
+
+  tracker.currentChanged.connect(() => panel.notebookChanged());
+  // The recorder writes the row before the kernel replies; the snapshot follows a bit later.
+  let timers: number[] = [];
+  NotebookActions.executed.connect((_, { notebook }) => {
+    if (notebook !== tracker.currentWidget?.content) {
+      return;
+    }
+    timers.forEach(t => window.clearTimeout(t));
+    timers = [150, 1500].map(delay => window.setTimeout(() => void panel.refreshTimeline(), delay));
+  });
+
+  app.commands.addCommand(TOGGLE_PANEL_COMMAND, {
+    label: 'Themisto: Show the Suggestions and Trajectory Panel',
+    execute: () => {
+      const shell = app.shell as ILabShell;
+      if (panel.isVisible && shell.collapseRight) {
+        shell.collapseRight();
+      } else {
+        app.shell.activateById(panel.id);
+      }
+    }
+  });
+  return panel;
+}
