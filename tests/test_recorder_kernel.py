@@ -85,7 +85,18 @@ class RecordingKernel:
     def store(self) -> TrajectoryStore:
         return TrajectoryStore(self.store_path, readonly=True)
 
+    def settle(self) -> None:
+        """Wait until the recorder has written what it deferred past the last reply.
+
+        The recorder writes just after the kernel replies (on the kernel's event loop); a
+        silent request (which the recorder does not record) is handled after that work.
+        """
+        msg_id = self.kc.execute("", silent=True, store_history=False)
+        while self.kc.get_shell_msg(timeout=60)["parent_header"].get("msg_id") != msg_id:
+            pass
+
     def execution(self, msg_id: str) -> dict[str, Any]:
+        self.settle()
         with self.store() as store:
             row = store._conn().execute("SELECT id FROM executions WHERE msg_id = ?", (msg_id,))
             found = row.fetchone()
@@ -93,6 +104,7 @@ class RecordingKernel:
             return store.get_execution(found["id"])  # type: ignore[return-value]
 
     def executions(self) -> list[dict[str, Any]]:
+        self.settle()
         with self.store() as store:
             trajectories = store.list_trajectories()
             assert len(trajectories) == 1, trajectories

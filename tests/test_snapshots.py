@@ -151,7 +151,7 @@ def test_size_bound_and_inline_mode(kernel):
     kernel.run("%config ThemistoRecorder.max_variable_bytes = 1_000_000")
     kernel.run("%config ThemistoRecorder.snapshot_mode = 'inline'")
     done = kernel.run("huge = np.zeros(2_000_000)\nhuge_list = list(range(300_000))")
-    # Inline: the snapshot is written before the cell's reply.
+    # Inline: the snapshot is written in the kernel itself, right after the reply.
     row = kernel.execution(done.msg_id)
     assert row["snapshot_status"] in ("ok", "partial")
     with kernel.store() as store:

@@ -13,9 +13,11 @@ what the person sees nor break a cell.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
+from collections import deque
 from typing import Any
 
 from traitlets import Bool, Enum, Float, Int, Unicode, default, validate
@@ -73,7 +75,7 @@ class ThemistoRecorder(LoggingConfigurable):
         300.0, help="Seconds a snapshot child may run before it is killed (status failed)."
     ).tag(config=True)
     max_snapshot_children = Int(
-        2,
+        3,
         help="Concurrent snapshot children; when reached, the snapshot of that execution is "
         "skipped (status 'skipped', detail says why).",
     ).tag(config=True)
@@ -88,6 +90,11 @@ class ThemistoRecorder(LoggingConfigurable):
     ).tag(config=True)
     redact_source = Bool(
         True, help="Redact string literals assigned to secret names in the recorded source."
+    ).tag(config=True)
+    defer_writes = Bool(
+        True,
+        help="Write the execution and start its snapshot just after the kernel has replied "
+        "(the person does not wait for them); a cell sent meanwhile first completes them.",
     ).tag(config=True)
 
     @default("snapshot_mode")
@@ -112,6 +119,15 @@ class ThemistoRecorder(LoggingConfigurable):
         self._store_failed_at = 0.0
         self._current: dict[str, Any] | None = None
         self._registered = False
+        # Seconds the person waited on the recorder per execution (pre + post hooks), for
+        # benchmarks/recording_overhead.py and `%themisto status`.
+        self.hook_seconds: deque[float] = deque(maxlen=100_000)
+        # Seconds of the work done after the reply (store write, fork), per execution.
+        self.deferred_seconds: deque[float] = deque(maxlen=100_000)
+        self._pending: dict[str, Any] | None = None
+        self._handler_patch: tuple[Any, Any, Any] | None = None
+        # Where the last execution's post_run_cell time went (seconds by step).
+        self.last_timings: dict[str, float] = {}
         from .snapshot import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
@@ -125,6 +141,8 @@ class ThemistoRecorder(LoggingConfigurable):
         events.register("pre_run_cell", self.pre_run_cell)
         events.register("post_run_cell", self.post_run_cell)
         self.capture.install_hooks()
+        self._install_deferral()
+        atexit.register(self._at_exit)
         self._registered = True
         self._open_store()
         if self.store is not None:
@@ -143,8 +161,47 @@ class ThemistoRecorder(LoggingConfigurable):
             except ValueError:
                 pass
         self.capture.remove_hooks()
+        self._remove_deferral()
+        atexit.unregister(self._at_exit)
+        self.flush_pending()
         self.snapshots.close()
         self._registered = False
+
+    def _install_deferral(self) -> None:
+        """Run flush_pending after ipykernel has sent the reply (its post_handler_hook)."""
+        kernel = getattr(self.shell, "kernel", None)
+        original = getattr(kernel, "post_handler_hook", None)
+        if not self.defer_writes or original is None:
+            return
+        recorder = self
+
+        def post_handler_hook(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if recorder._pending is not None:
+                    # io_loop exists once the kernel has started (after extensions load).
+                    loop = getattr(kernel, "io_loop", None)
+                    try:
+                        loop.add_callback(recorder.flush_pending)
+                    except Exception:
+                        recorder.flush_pending()
+
+        kernel.post_handler_hook = post_handler_hook
+        self._handler_patch = (kernel, original, post_handler_hook)
+
+    def _remove_deferral(self) -> None:
+        if self._handler_patch is None:
+            return
+        kernel, original, wrapper = self._handler_patch
+        if getattr(kernel, "post_handler_hook", None) is wrapper:
+            kernel.post_handler_hook = original
+        self._handler_patch = None
+
+    def _at_exit(self) -> None:
+        # The last execution of a kernel shut down right after its reply: no fork at exit.
+        self.snapshots.exiting = True
+        self.flush_pending()
 
     def _keep_last(self) -> None:
         # Outputs emitted by other post_run_cell callbacks (registered after us, e.g. by a
@@ -201,6 +258,9 @@ class ThemistoRecorder(LoggingConfigurable):
     # -- hooks -------------------------------------------------------------------------------
 
     def pre_run_cell(self, info: Any) -> None:
+        entered = time.perf_counter()
+        # The previous execution's deferred work must finish before this cell changes anything.
+        self.flush_pending()
         try:
             self._current = None
             if not self.enabled or os.getpid() != self.pid:
@@ -224,29 +284,58 @@ class ThemistoRecorder(LoggingConfigurable):
             }
             self.peak.reset()
             self.capture.start()
-            self._current["t0"] = time.perf_counter()
             self._current["cpu0"] = time.process_time()
+            self._current["t0"] = time.perf_counter()
+            self._current["pre_cost"] = self._current["t0"] - entered
         except BaseException as e:  # noqa: B036 - a recorder must never break a cell
             self._current = None
             self._report("pre_run_cell failed", e)
 
     def post_run_cell(self, result: Any) -> None:
+        entered = time.perf_counter()
         current, self._current = self._current, None
         if current is None:
             return
         try:
-            wall = time.perf_counter() - current["t0"]
+            wall = entered - current["t0"]
             cpu = time.process_time() - current["cpu0"]
             drain_fd_pipes()
             raw_outputs = self.capture.stop()
             after = resources.rss()
             peak = self.peak.peak(current["memory_before"], after)
-            self._record(current, result, raw_outputs, wall, cpu, after, peak)
+            self._pending = {
+                "current": current,
+                "result": result,
+                "raw_outputs": raw_outputs,
+                "wall": wall,
+                "cpu": cpu,
+                "after": after,
+                "peak": peak,
+            }
+            loop = getattr(getattr(self.shell, "kernel", None), "io_loop", None)
+            if self._handler_patch is None or loop is None:
+                self.flush_pending()
+            else:
+                # Safety net if no reply follows (e.g. a cell run outside a request).
+                loop.call_later(1.0, self.flush_pending)
         except BaseException as e:  # noqa: B036
             self._report("recording the execution failed", e)
         finally:
             if self.capture.active:
                 self.capture.stop()
+            self.hook_seconds.append(current["pre_cost"] + time.perf_counter() - entered)
+
+    def flush_pending(self) -> None:
+        """Write the last execution and start its snapshot, if not done yet."""
+        pending, self._pending = self._pending, None
+        if pending is None or os.getpid() != self.pid:
+            return
+        started = time.perf_counter()
+        try:
+            self._record(**pending)
+        except BaseException as e:  # noqa: B036
+            self._report("recording the execution failed", e)
+        self.deferred_seconds.append(time.perf_counter() - started)
 
     def _record(
         self,
@@ -271,6 +360,7 @@ class ThemistoRecorder(LoggingConfigurable):
         store = self._open_store()
         if store is None or self._ensure_trajectory() is None:
             return
+        t0 = time.perf_counter()
         secrets = self._secret_values()
         scrub = (lambda text: redact_text(text, secrets)) if secrets else None
         outputs = finalize_outputs(
@@ -288,6 +378,7 @@ class ThemistoRecorder(LoggingConfigurable):
         if scrub:
             source = scrub(source)
         snapshot_status = "pending" if self.snapshots.will_snapshot() else "off"
+        t1 = time.perf_counter()
         execution_id = store.add_execution(
             self.trajectory_id,
             {
@@ -307,8 +398,14 @@ class ThemistoRecorder(LoggingConfigurable):
             },
         )
         self.last_execution_id = execution_id
+        t2 = time.perf_counter()
         if snapshot_status == "pending":
             self.snapshots.take(execution_id)
+        self.last_timings = {
+            "outputs": t1 - t0,
+            "store": t2 - t1,
+            "snapshot": time.perf_counter() - t2,
+        }
 
     def _secret_values(self) -> list[str]:
         """String values of secret-named variables, to scrub from recorded text."""
@@ -331,6 +428,9 @@ class ThemistoRecorder(LoggingConfigurable):
             "last_execution_id": self.last_execution_id,
             "snapshot_children": self.snapshots.running(),
             "errors": self.errors,
+            "last_overhead_ms": round(self.hook_seconds[-1] * 1000, 3)
+            if self.hook_seconds
+            else None,
         }
 
 

@@ -555,6 +555,8 @@ class SnapshotManager:
         # pid -> [execution_id, started (monotonic), killed]
         self.children: dict[int, list[Any]] = {}
         self._frozen = False
+        # Set at interpreter exit: no fork then, the snapshot is taken inline.
+        self.exiting = False
 
     def will_snapshot(self) -> bool:
         return self.recorder.snapshot_mode != "off"
@@ -575,7 +577,7 @@ class SnapshotManager:
 
     def take(self, execution_id: int) -> None:
         mode = self.recorder.snapshot_mode
-        if mode == "inline" or (mode == "fork" and not hasattr(os, "fork")):
+        if mode == "inline" or (mode == "fork" and (self.exiting or not hasattr(os, "fork"))):
             variables = list(user_variables(self.recorder.shell))
             self._writer().write(execution_id, variables, mode="inline")
         elif mode == "fork":
@@ -610,6 +612,11 @@ class SnapshotManager:
         try:
             gc.disable()
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            # The kernel comes first: on a busy machine the child takes the leftover CPU.
+            try:
+                os.nice(19)
+            except OSError:
+                pass
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
