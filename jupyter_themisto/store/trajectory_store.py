@@ -389,6 +389,25 @@ class TrajectoryStore:
         ).fetchone()
         return self.get_variables(row["id"]) if row else []
 
+    def latest_trajectory_for_kernel(self, kernel_id: str) -> dict[str, Any] | None:
+        """The newest trajectory recorded by the kernel `kernel_id` (a restart starts another)."""
+        row = self._conn().execute(
+            _TRAJECTORY_SELECT + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
+            " LIMIT 1",
+            (kernel_id,),
+        ).fetchone()
+        return _trajectory_dict(row) if row else None
+
+    def variable_changes(self, trajectory_id: str) -> dict[str, int]:
+        """For each variable name, the order index of the last execution that changed it."""
+        rows = self._conn().execute(
+            "SELECT v.name, max(e.order_index) FROM variables v"
+            " JOIN snapshots s ON s.id = v.snapshot_id JOIN executions e ON e.id = s.execution_id"
+            " WHERE e.trajectory_id = ? AND v.changed = 1 GROUP BY v.name",
+            (trajectory_id,),
+        )
+        return {name: order for name, order in rows}
+
 
 _TRAJECTORY_SELECT = (
     "SELECT t.*, (SELECT count(*) FROM executions e WHERE e.trajectory_id = t.id)"

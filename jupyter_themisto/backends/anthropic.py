@@ -1,0 +1,105 @@
+"""The `anthropic` backend: the Anthropic Messages API, streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..context import PredictionContext, render_prompt
+from ._http import FenceStripper, HTTPPredictor, parse_json
+from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk
+
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+class AnthropicPredictor(HTTPPredictor):
+    """Messages API with `stream: true`.
+
+    Settings: api_key (else $ANTHROPIC_API_KEY), base_url (else $ANTHROPIC_BASE_URL, else
+    https://api.anthropic.com), model, max_tokens, temperature, timeout, connect_timeout,
+    max_retries, backoff, max_backoff. The API returns one answer per request, so a next-cell
+    request yields one suggestion whatever `n` asks.
+    """
+
+    name = "anthropic"
+    description = "Anthropic Messages API (Claude), streamed"
+    default_base_url = "https://api.anthropic.com"
+    api_key_env = "ANTHROPIC_API_KEY"
+    base_url_env = "ANTHROPIC_BASE_URL"
+    default_model = "claude-3-5-haiku-latest"
+
+    def headers(self) -> dict[str, str]:
+        return {"x-api-key": self._api_key, "anthropic-version": ANTHROPIC_VERSION}
+
+    async def health(self) -> dict[str, Any]:
+        if not self._api_key:
+            return {
+                "ok": False,
+                "detail": "no API key: set ANTHROPIC_API_KEY or the api_key setting",
+            }
+        return {"ok": True, "detail": f"model {self.model} at {self.base_url}"}
+
+    async def _stream(self, ctx: PredictionContext, task: str) -> AsyncIterator[str]:
+        self.require_key()
+        instructions, prompt = render_prompt(ctx, task)
+        payload = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "system": instructions,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": True,
+        }
+        stopped = False
+        async for event, data in self.stream_events("/v1/messages", payload):
+            obj = parse_json(data, f"a {event or 'streamed'} event")
+            kind = obj.get("type") if isinstance(obj, dict) else None
+            if kind == "error" or event == "error":
+                err = obj.get("error") or {}
+                raise BackendError(
+                    self.scrub(
+                        f"anthropic: the API reported {err.get('type', 'an error')}:"
+                        f" {err.get('message', '')}"
+                    )
+                )
+            if kind == "content_block_delta":
+                delta = obj.get("delta") or {}
+                if delta.get("type") == "text_delta" and delta.get("text"):
+                    yield delta["text"]
+            elif kind == "message_stop":
+                stopped = True
+                break
+        if not stopped:
+            raise BackendError(
+                f"anthropic: the stream from {self.base_url} ended before message_stop (cut off)"
+            )
+
+    async def predict_next_cell(
+        self, ctx: PredictionContext, *, n: int = 1
+    ) -> AsyncIterator[NextCellChunk]:
+        s = FenceStripper()
+        got = False
+        async for text in self._stream(ctx, "next-cell"):
+            out = s.feed(text)
+            if out:
+                got = True
+                yield NextCellChunk(index=0, text=out)
+        rest = s.finish()
+        if not got and not rest.strip():
+            raise NoPrediction("the model returned no suggestion")
+        yield NextCellChunk(index=0, text=rest, done=True)
+
+    async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
+        s = FenceStripper()
+        got = False
+        async for text in self._stream(ctx, "output"):
+            out = s.feed(text)
+            if out:
+                got = True
+                yield OutputChunk(text=out)
+        rest = s.finish()
+        if rest:
+            got = True
+            yield OutputChunk(text=rest)
+        if not got:
+            raise NoPrediction("the model returned no output prediction")

@@ -1,0 +1,275 @@
+"""The `retrieval` backend, the embedded default: BM25 over the person's own history and a corpus.
+
+No network, no model weights. A next-cell candidate is a cell that was run after cells like
+the current ones, in any recorded trajectory or in a corpus notebook; candidates are ranked by
+bm25s against the latest cells and the names of the live variables. Outputs are predicted only
+where the runtime summary already holds the answer (a bare variable name, `len(x)`, `x.shape`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import keyword
+import re
+import threading
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import bm25s
+import numpy as np
+
+from ..context import PredictionContext, VariableInfo
+from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Words that occur in almost every cell and say nothing about which cell comes next.
+_STOP = frozenset(keyword.kwlist) | {"self", "print", "none", "true", "false"}
+# reprlib shortens containers of more items than this (the recorder's summaries use reprlib).
+_REPR_MAX_ITEMS = 10
+_EXACT_REPR_TYPES = frozenset({"int", "float", "bool", "str", "NoneType", "complex"})
+_CONTAINER_TYPES = frozenset({"list", "tuple"})
+
+
+def tokenize(text: str) -> list[str]:
+    """Identifiers of code, lower-cased, with snake_case parts: `read_csv` -> read_csv, read,
+    csv. Keywords dropped."""
+    out: list[str] = []
+    for m in _IDENT.finditer(text):
+        word = m.group().lower()
+        if word in _STOP or len(word) < 2:
+            continue
+        out.append(word)
+        if "_" in word.strip("_"):
+            out.extend(p for p in word.split("_") if len(p) > 1 and p not in _STOP)
+    return out
+
+
+def _normalized(source: str) -> str:
+    return "\n".join(line.rstrip() for line in source.strip().splitlines())
+
+
+@dataclass
+class _Index:
+    retriever: bm25s.BM25 | None
+    candidates: list[str]
+    origins: list[str]
+
+
+def notebook_code_cells(path: Path) -> list[str]:
+    """Code cell sources of an .ipynb file, in notebook order (empty on unreadable files)."""
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    out = []
+    for cell in nb.get("cells", []) if isinstance(nb, dict) else []:
+        if cell.get("cell_type") != "code":
+            continue
+        src = cell.get("source", "")
+        src = "".join(src) if isinstance(src, list) else str(src)
+        if src.strip():
+            out.append(src)
+    return out
+
+
+class RetrievalPredictor(Predictor):
+    """Settings: corpus_dir (a folder of .ipynb files, searched recursively), history (use the
+    store's trajectories, default true), max_trajectories (newest first, default 500),
+    context_cells (cells before a candidate that describe where it fits, default 2)."""
+
+    name = "retrieval"
+    description = "Embedded default: BM25 over your own recorded history and a notebook corpus"
+
+    def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
+        super().__init__(config, env)
+        c = self.config
+        self.corpus_dir = Path(c["corpus_dir"]).expanduser() if c.get("corpus_dir") else None
+        self.history = bool(c.get("history", True))
+        self.max_trajectories = int(c.get("max_trajectories", 500))
+        self.context_cells = max(1, int(c.get("context_cells", 2)))
+        self._index: _Index | None = None
+        self._index_key: Any = None
+        self._lock = threading.Lock()
+        self._corpus: list[list[str]] | None = None
+
+    async def health(self) -> dict[str, Any]:
+        if self.corpus_dir is not None and not self.corpus_dir.is_dir():
+            return {"ok": False, "detail": f"corpus_dir {self.corpus_dir} is not a folder"}
+        source = "your recorded history" + (f" and {self.corpus_dir}" if self.corpus_dir else "")
+        return {"ok": True, "detail": f"ranks cells from {source}"}
+
+    # -- the index ---------------------------------------------------------------------------
+
+    def _sequences(self) -> Iterable[tuple[str, list[str]]]:
+        store = self.env.store
+        if self.history and store is not None:
+            for t in store.list_trajectories(limit=self.max_trajectories):
+                rows = store.list_executions(t["id"])
+                yield f"trajectory {t['id']}", [r["source"] for r in rows if r["source"].strip()]
+        if self.corpus_dir is not None:
+            if self._corpus is None:
+                files = sorted(self.corpus_dir.rglob("*.ipynb")) if self.corpus_dir.is_dir() else []
+                self._corpus = [notebook_code_cells(p) for p in files]
+                self._corpus_names = [str(p) for p in files]
+            yield from zip(self._corpus_names, self._corpus, strict=True)
+
+    def _context_tokens(self, before: list[str]) -> list[str]:
+        # The closest cell counts double: what was just run says most about what comes next.
+        out: list[str] = []
+        for distance, cell in enumerate(reversed(before[-self.context_cells :])):
+            toks = ["c:" + t for t in tokenize(cell)]
+            out += toks * (2 if distance == 0 else 1)
+        return out
+
+    def _build(self) -> _Index:
+        # A document describes where a candidate fits (the cells run before it, "c:" terms)
+        # and which names it uses ("v:" terms, matched against live variable names); the
+        # candidate's own code is not matched against the query, or the cell just run would
+        # always find itself.
+        docs: list[list[str]] = []
+        candidates: list[str] = []
+        origins: list[str] = []
+        for origin, cells in self._sequences():
+            for i, cell in enumerate(cells):
+                tokens = self._context_tokens(cells[max(0, i - self.context_cells) : i])
+                tokens += ["v:" + t for t in set(_IDENT.findall(cell))]
+                if not tokens:
+                    continue
+                docs.append(tokens)
+                candidates.append(cell)
+                origins.append(origin)
+        if not docs:
+            return _Index(None, [], [])
+        retriever = bm25s.BM25()
+        retriever.index(docs, show_progress=False)
+        return _Index(retriever, candidates, origins)
+
+    def index(self) -> _Index:
+        """The index, rebuilt when the store has new executions (cheap check: a count)."""
+        store = self.env.store
+        key = store.count_executions() if (self.history and store is not None) else 0
+        with self._lock:
+            if self._index is None or key != self._index_key:
+                self._index = self._build()
+                self._index_key = key
+            return self._index
+
+    # -- next cell ---------------------------------------------------------------------------
+
+    def rank(self, ctx: PredictionContext, n: int) -> list[tuple[str, float]]:
+        """Up to `n` distinct candidate cells with their BM25 scores, best first."""
+        idx = self.index()
+        if idx.retriever is None:
+            raise NoPrediction("no recorded history or corpus to draw suggestions from yet")
+        code = [c.source for c in ctx.cells if c.cell_type == "code"]
+        query = self._context_tokens(code)
+        if ctx.with_runtime:
+            query += ["v:" + v.name for v in ctx.variables]
+        vocab = idx.retriever.vocab_dict
+        query = [t for t in query if t in vocab]
+        if not query:
+            raise NoPrediction("nothing in the history resembles the current cells")
+        k = min(len(idx.candidates), max(10, n * 8))
+        docs, scores = idx.retriever.retrieve(
+            [query], k=k, show_progress=False, n_threads=1, return_as="tuple"
+        )
+        last = _normalized(code[-1]) if code else None
+        seen: set[str] = set()
+        out: list[tuple[str, float]] = []
+        for d, s in zip(np.asarray(docs)[0], np.asarray(scores)[0], strict=True):
+            if s <= 0:
+                break
+            cand = idx.candidates[int(d)]
+            norm = _normalized(cand)
+            # Re-suggesting the cell just run, or one already offered, helps nobody.
+            if norm == last or norm in seen:
+                continue
+            seen.add(norm)
+            out.append((cand, float(s)))
+            if len(out) >= n:
+                break
+        if not out:
+            raise NoPrediction("nothing in the history resembles the current cells")
+        return out
+
+    async def predict_next_cell(
+        self, ctx: PredictionContext, *, n: int = 1
+    ) -> AsyncIterator[NextCellChunk]:
+        if self._index is None:
+            # The first build reads the whole store: keep the server's event loop free.
+            await asyncio.to_thread(self.index)
+        for i, (text, score) in enumerate(self.rank(ctx, max(1, n))):
+            yield NextCellChunk(index=i, text=text, done=True, score=round(score, 4))
+
+    # -- output ------------------------------------------------------------------------------
+
+    async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
+        yield OutputChunk(text=predict_output_from_summary(ctx))
+
+
+def _short_type(v: VariableInfo) -> str:
+    # The recorder names builtins bare ("int") and everything else module-qualified.
+    return v.type
+
+
+def _exact_repr(v: VariableInfo) -> str | None:
+    """The variable's repr when the summary's short repr is known to be the whole of it."""
+    s = v.summary
+    text = s.get("repr")
+    if not isinstance(text, str) or s.get("redacted") or text.startswith("<repr failed"):
+        return None
+    t = _short_type(v)
+    if t == "str":
+        # reprlib cuts long strings in the middle; uncut, repr is the string plus its quotes.
+        n = s.get("len")
+        return text if isinstance(n, int) and len(text) >= n + 2 and "..." not in text else None
+    if t in _EXACT_REPR_TYPES:
+        return text if "..." not in text else None
+    if t in _CONTAINER_TYPES:
+        n = s.get("len")
+        if isinstance(n, int) and n <= _REPR_MAX_ITEMS and "..." not in text:
+            return text
+    return None
+
+
+_BARE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*;?\s*$")
+_LEN = re.compile(r"^\s*len\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$")
+_SHAPE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\.shape\s*$")
+
+
+def predict_output_from_summary(ctx: PredictionContext) -> str:
+    """The output of `ctx.target_source` if the runtime summary answers it exactly, else
+    NoPrediction with the reason."""
+    source = (ctx.target_source or "").strip()
+    if not source:
+        raise NoPrediction("the cell is empty")
+    if not ctx.with_runtime:
+        raise NoPrediction("the retrieval backend predicts outputs only from runtime information")
+    if "\n" in source:
+        raise NoPrediction("the retrieval backend predicts only one-line lookups of variables")
+    variables = {v.name: v for v in ctx.variables}
+    for pattern, kind in ((_BARE, "repr"), (_LEN, "len"), (_SHAPE, "shape")):
+        m = pattern.match(source)
+        if not m:
+            continue
+        if m.group(0).rstrip().endswith(";"):
+            raise NoPrediction("a trailing semicolon hides the value")
+        v = variables.get(m.group(1))
+        if v is None:
+            raise NoPrediction(f"{m.group(1)!r} is not among the recorded live variables")
+        if v.summary.get("redacted"):
+            raise NoPrediction(f"{v.name!r} is a secret; its value is not recorded")
+        if kind == "repr":
+            text = _exact_repr(v)
+            if text is None or (_short_type(v) == "NoneType"):
+                raise NoPrediction(f"the recorded summary of {v.name!r} is not its whole repr")
+            return text + "\n"
+        if kind == "len" and isinstance(v.summary.get("len"), int):
+            return f"{v.summary['len']}\n"
+        if kind == "shape" and isinstance(v.summary.get("shape"), list):
+            return repr(tuple(v.summary["shape"])) + "\n"
+        raise NoPrediction(f"the recorded summary of {v.name!r} has no {kind}")
+    raise NoPrediction("the retrieval backend predicts only a bare variable, len(x) or x.shape")

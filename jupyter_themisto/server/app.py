@@ -1,0 +1,110 @@
+"""ThemistoExtensionApp: the jupyter_server extension, its traitlets configuration and wiring."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jupyter_server.extension.application import ExtensionApp
+from traitlets import Bool, Dict, Float, Int, Unicode, validate
+
+from ..store import STORE_ENV, TrajectoryStore, default_store_path
+from .autorecord import AutoRecorder
+from .handlers import default_handlers
+from .manager import ThemistoManager
+
+
+class ThemistoExtensionApp(ExtensionApp):
+    """Serves recorded trajectories and streamed next-cell / output predictions."""
+
+    name = "jupyter_themisto"
+    load_other_extensions = True
+
+    store_path = Unicode(
+        "",
+        help="Trajectory store file. Empty: $THEMISTO_STORE, else "
+        "<jupyter data dir>/themisto/trajectories.sqlite. Kernels started by this server "
+        "record into the same file (it is exported to them as THEMISTO_STORE).",
+    ).tag(config=True)
+    default_backend = Unicode(
+        "retrieval",
+        help="Backend used when a request names none (an entry point of the "
+        "jupyter_themisto.backends group: retrieval, openai, anthropic, …).",
+    ).tag(config=True)
+    backend_settings = Dict(
+        {},
+        help="Per-backend settings, by backend name, e.g. {'openai': {'base_url': "
+        "'http://localhost:11434/v1', 'model': 'qwen2.5-coder'}}. Keys are never sent to "
+        "the browser; prefer the OPENAI_API_KEY / ANTHROPIC_API_KEY environment variables.",
+    ).tag(config=True)
+    prediction_timeout = Float(
+        60.0,
+        help="Seconds a whole prediction may take; past it the request fails with 504 (or an "
+        "`error` event once streaming).",
+    ).tag(config=True)
+    token_budget = Int(
+        3000,
+        help="Approximate tokens of context (cells, outputs, runtime summary) given to a "
+        "backend per prediction.",
+    ).tag(config=True)
+    max_output_chars = Int(
+        600, help="Characters of each recorded cell output kept in a prediction context."
+    ).tag(config=True)
+    max_page_size = Int(
+        1000, help="Most trajectories or executions returned by one list request."
+    ).tag(config=True)
+    auto_record = Bool(
+        True,
+        help="Load the recorder into every Python kernel this server starts (a silent "
+        "`%load_ext jupyter_themisto`). A notebook opts out with "
+        '`"themisto": {"record": false}` in its metadata.',
+    ).tag(config=True)
+    auto_record_timeout = Float(
+        60.0, help="Seconds to wait for a new kernel to be ready before giving up recording it."
+    ).tag(config=True)
+
+    @validate("prediction_timeout", "auto_record_timeout")
+    def _positive(self, proposal: Any) -> float:
+        if proposal["value"] <= 0:
+            raise ValueError(f"{proposal['trait'].name} must be > 0")
+        return proposal["value"]
+
+    @validate("token_budget", "max_output_chars", "max_page_size")
+    def _positive_int(self, proposal: Any) -> int:
+        if proposal["value"] < 1:
+            raise ValueError(f"{proposal['trait'].name} must be >= 1")
+        return proposal["value"]
+
+    def initialize_settings(self) -> None:
+        path = self.store_path or str(default_store_path())
+        # Kernels inherit the server's environment: they record where the server reads.
+        os.environ[STORE_ENV] = path
+        self.store = TrajectoryStore(path)
+        self.manager = ThemistoManager(
+            self.store,
+            default_backend=self.default_backend,
+            backend_settings=self.backend_settings,
+            kernel_manager=self.serverapp.kernel_manager,
+            log=self.log,
+            prediction_timeout=self.prediction_timeout,
+            token_budget=self.token_budget,
+            max_output_chars=self.max_output_chars,
+            max_page=self.max_page_size,
+        )
+        self.auto_recorder = AutoRecorder(
+            self.serverapp, log=self.log, ready_timeout=self.auto_record_timeout
+        )
+        if self.auto_record:
+            self.auto_recorder.attach()
+        self.settings.update(themisto_manager=self.manager, themisto_app=self)
+        self.log.info(
+            "themisto: trajectory store %s; default backend %s", path, self.default_backend
+        )
+
+    def initialize_handlers(self) -> None:
+        self.handlers.extend(default_handlers)
+
+    async def stop_extension(self) -> None:
+        await self.auto_recorder.close()
+        await self.manager.close()
+        self.store.close()

@@ -1,0 +1,199 @@
+"""REST and SSE handlers under /themisto: parse, authorize, call the manager, serialize."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from tornado import web
+from tornado.iostream import StreamClosedError
+
+from ..backends import BackendError, UnknownBackend
+from .manager import Event, NotFound, ThemistoManager
+from .models import NextCellRequest, OutputRequest, ValidationError, describe_validation_error
+
+AUTH_RESOURCE = "themisto"
+
+
+class ThemistoHandler(APIHandler):
+    auth_resource = AUTH_RESOURCE
+
+    @property
+    def manager(self) -> ThemistoManager:
+        return self.settings["themisto_manager"]
+
+    def int_argument(self, name: str, default: int | None, *, minimum: int = 0) -> int | None:
+        raw = self.get_query_argument(name, None)
+        if raw is None or raw == "":
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise web.HTTPError(400, f"{name}: must be an integer, got {raw!r}") from None
+        if value < minimum:
+            raise web.HTTPError(400, f"{name}: must be >= {minimum}, got {value}")
+        return value
+
+    def write_json(self, obj: Any) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(obj, default=str))
+
+
+class TrajectoriesHandler(ThemistoHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        rows = self.manager.list_trajectories(
+            self.get_query_argument("notebook_path", None),
+            self.int_argument("limit", None),
+            self.int_argument("offset", 0) or 0,
+        )
+        self.write_json({"trajectories": rows})
+
+
+class TrajectoryHandler(ThemistoHandler):
+    @web.authenticated
+    @authorized
+    async def get(self, trajectory_id: str) -> None:
+        try:
+            self.write_json(self.manager.get_trajectory(trajectory_id))
+        except NotFound as e:
+            raise web.HTTPError(404, str(e)) from None
+
+
+class ExecutionsHandler(ThemistoHandler):
+    @web.authenticated
+    @authorized
+    async def get(self, trajectory_id: str) -> None:
+        try:
+            rows, total = self.manager.list_executions(
+                trajectory_id, self.int_argument("offset", 0) or 0, self.int_argument("limit", None)
+            )
+        except NotFound as e:
+            raise web.HTTPError(404, str(e)) from None
+        self.write_json({"executions": rows, "total": total})
+
+
+class VariablesHandler(ThemistoHandler):
+    @web.authenticated
+    @authorized
+    async def get(self, execution_id: str) -> None:
+        try:
+            eid = int(execution_id)
+        except ValueError:
+            raise web.HTTPError(
+                400, f"execution id: must be an integer, got {execution_id!r}"
+            ) from None
+        try:
+            self.write_json({"variables": self.manager.variables(eid)})
+        except NotFound as e:
+            raise web.HTTPError(404, str(e)) from None
+
+
+class BackendsHandler(ThemistoHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        backends = await self.manager.list_backends()
+        self.write_json({"default": self.manager.default_backend, "backends": backends})
+
+
+class PredictHandler(ThemistoHandler):
+    """POST a prediction request; the answer streams as server-sent events."""
+
+    task = ""
+    model: type[NextCellRequest] | type[OutputRequest] = NextCellRequest
+
+    _work: asyncio.Task[None] | None = None
+    _streaming = False
+
+    def parse(self) -> NextCellRequest | OutputRequest:
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError as e:
+            raise web.HTTPError(400, f"body: not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise web.HTTPError(400, "body: must be a JSON object")
+        try:
+            return self.model.model_validate(body)
+        except ValidationError as e:
+            raise web.HTTPError(400, describe_validation_error(e)) from None
+
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        req = self.parse()
+        self._work = asyncio.ensure_future(self._predict(req))
+        try:
+            await self._work
+        except asyncio.CancelledError:
+            # Superseded by a newer request of the same client, or the client went away.
+            if self.request.connection.stream.closed():
+                return
+            if not self._streaming:
+                raise web.HTTPError(409, "superseded by a newer request") from None
+            try:
+                self.finish()
+            except StreamClosedError:
+                pass
+
+    def on_connection_close(self) -> None:
+        if self._work is not None and not self._work.done():
+            self._work.cancel()
+
+    async def _predict(self, req: NextCellRequest | OutputRequest) -> None:
+        manager = self.manager
+        key = manager.register(req, self.task)
+        try:
+            try:
+                meta, events = await manager.open_stream(req, self.task)
+            except (NotFound, UnknownBackend) as e:
+                raise web.HTTPError(404, str(e)) from None
+            except BackendError as e:
+                raise web.HTTPError(e.status, str(e)) from None
+            self._streaming = True
+            self.set_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.set_header("Cache-Control", "no-cache")
+            self.set_header("X-Accel-Buffering", "no")
+            await self.send(meta)
+            try:
+                async for event in events:
+                    await self.send(event)
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+            self.finish()
+        finally:
+            manager.unregister(key)
+
+    async def send(self, event: Event) -> None:
+        self.write(f"event: {event.name}\ndata: {json.dumps(event.data)}\n\n")
+        try:
+            await self.flush()
+        except StreamClosedError:
+            raise asyncio.CancelledError() from None
+
+
+class NextCellHandler(PredictHandler):
+    task = "next-cell"
+    model = NextCellRequest
+
+
+class OutputHandler(PredictHandler):
+    task = "output"
+    model = OutputRequest
+
+
+_ID = r"([^/]+)"
+
+default_handlers = [
+    (r"/themisto/trajectories", TrajectoriesHandler),
+    (rf"/themisto/trajectories/{_ID}", TrajectoryHandler),
+    (rf"/themisto/trajectories/{_ID}/executions", ExecutionsHandler),
+    (rf"/themisto/executions/{_ID}/variables", VariablesHandler),
+    (r"/themisto/backends", BackendsHandler),
+    (r"/themisto/predict/next-cell", NextCellHandler),
+    (r"/themisto/predict/output", OutputHandler),
+]

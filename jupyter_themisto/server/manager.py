@@ -1,0 +1,326 @@
+"""ThemistoManager: the server's logic (store queries, backends, prediction streams), no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends import (
+    BackendEnv,
+    BackendError,
+    BackendTimeout,
+    NoPrediction,
+    Predictor,
+    UnknownBackend,
+    available_backends,
+    create_backend,
+)
+from ..context import PredictionContext, build_context
+from ..redaction import redact_variable
+from ..store import TrajectoryStore
+from .models import NextCellRequest, OutputRequest
+
+
+class NotFound(LookupError):
+    """An id in the request names nothing: served as 404."""
+
+
+@dataclass
+class Event:
+    """One server-sent event of a prediction stream."""
+
+    name: str
+    data: dict[str, Any]
+
+
+class ThemistoManager:
+    """Everything the handlers need, testable without a server."""
+
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        *,
+        default_backend: str = "retrieval",
+        backend_settings: dict[str, dict[str, Any]] | None = None,
+        kernel_manager: Any = None,
+        log: logging.Logger | None = None,
+        prediction_timeout: float = 60.0,
+        token_budget: int = 3000,
+        max_output_chars: int = 600,
+        max_page: int = 1000,
+    ) -> None:
+        self.store = store
+        self.default_backend = default_backend
+        self.backend_settings = dict(backend_settings or {})
+        self.kernel_manager = kernel_manager
+        self.log = log or logging.getLogger("jupyter_themisto")
+        self.prediction_timeout = prediction_timeout
+        self.token_budget = token_budget
+        self.max_output_chars = max_output_chars
+        self.max_page = max_page
+        self._backends: dict[str, Predictor] = {}
+        self._active: dict[tuple[str, ...], asyncio.Task[Any]] = {}
+        #: how many prediction streams ended by cancellation (disconnect or supersede)
+        self.cancelled = 0
+        self.superseded = 0
+
+    # -- store queries -----------------------------------------------------------------------
+
+    def list_trajectories(
+        self, notebook_path: str | None, limit: int | None, offset: int
+    ) -> list[dict[str, Any]]:
+        limit = self.max_page if limit is None else min(limit, self.max_page)
+        return self.store.list_trajectories(notebook_path=notebook_path, limit=limit, offset=offset)
+
+    def get_trajectory(self, trajectory_id: str) -> dict[str, Any]:
+        t = self.store.get_trajectory(trajectory_id)
+        if t is None:
+            raise NotFound(f"no trajectory {trajectory_id!r}")
+        return t
+
+    def list_executions(
+        self, trajectory_id: str, offset: int, limit: int | None
+    ) -> tuple[list[dict[str, Any]], int]:
+        t = self.get_trajectory(trajectory_id)
+        limit = self.max_page if limit is None else min(limit, self.max_page)
+        rows = self.store.list_executions(t["id"], offset=offset, limit=limit)
+        return rows, t["n_executions"]
+
+    def variables(self, execution_id: int) -> list[dict[str, Any]]:
+        if self.store.get_execution(execution_id) is None:
+            raise NotFound(f"no execution {execution_id}")
+        out = []
+        for v in self.store.get_variables(execution_id):
+            # Redacted again here: a store written under a narrower policy must not leak.
+            v = redact_variable(v)
+            out.append(
+                {
+                    "name": v["name"],
+                    "type": v["type"],
+                    "size": v.get("size"),
+                    "summary": v.get("summary") or {},
+                    "changed": v.get("changed", True),
+                    "stub_reason": v.get("stub_reason"),
+                }
+            )
+        return out
+
+    # -- backends ----------------------------------------------------------------------------
+
+    def backend(self, name: str | None) -> Predictor:
+        """The (cached) backend instance; UnknownBackend / BackendUnavailable otherwise."""
+        name = name or self.default_backend
+        if name not in self._backends:
+            env = BackendEnv(store=self.store, kernel_manager=self.kernel_manager, log=self.log)
+            self._backends[name] = create_backend(name, self.backend_settings.get(name), env)
+        return self._backends[name]
+
+    async def list_backends(self) -> list[dict[str, Any]]:
+        out = []
+        for name in sorted(available_backends()):
+            entry: dict[str, Any] = {"name": name, "description": "", "tasks": []}
+            try:
+                b = self.backend(name)
+                entry["description"] = b.description
+                entry["tasks"] = list(b.tasks)
+                try:
+                    health = await asyncio.wait_for(b.health(), timeout=5)
+                except asyncio.TimeoutError:
+                    health = {"ok": False, "detail": "health check timed out"}
+                entry["health"] = {"ok": bool(health.get("ok")), "detail": health.get("detail", "")}
+            except Exception as e:  # a broken third-party backend must not hide the others
+                entry["health"] = {"ok": False, "detail": f"{type(e).__name__}: {e}"}
+            out.append(entry)
+        return out
+
+    async def close(self) -> None:
+        for task in list(self._active.values()):
+            task.cancel()
+        for b in self._backends.values():
+            try:
+                await b.aclose()
+            except Exception as e:
+                self.log.warning("themisto: closing backend %s failed: %s", b.name, e)
+        self._backends.clear()
+
+    # -- prediction --------------------------------------------------------------------------
+
+    def resolve(self, req: NextCellRequest | OutputRequest) -> dict[str, Any]:
+        """The trajectory a request is about: trajectory_id, else the kernel's latest one."""
+        if req.trajectory_id:
+            return self.get_trajectory(req.trajectory_id)
+        assert req.kernel_id is not None
+        t = self.store.latest_trajectory_for_kernel(req.kernel_id)
+        if t is None:
+            raise NotFound(
+                f"no trajectory recorded for kernel {req.kernel_id!r} (is recording on, and has"
+                " a cell run in it yet?)"
+            )
+        return t
+
+    def context(
+        self, req: NextCellRequest | OutputRequest, trajectory: dict[str, Any]
+    ) -> PredictionContext:
+        tid = trajectory["id"]
+        # Only the tail can fit in a prompt: bounded read, whatever the trajectory's length.
+        n = trajectory.get("n_executions") or 0
+        tail = max(64, self.token_budget // 8)
+        rows = self.store.list_executions(tid, offset=max(0, n - tail))
+        variables: list[dict[str, Any]] = []
+        changes: dict[str, int] = {}
+        if req.with_runtime:
+            variables = [redact_variable(v) for v in self.store.latest_variables(tid)]
+            changes = self.store.variable_changes(tid)
+        cells = [c.model_dump() for c in req.cells] if req.cells else None
+        return build_context(
+            rows,
+            variables,
+            with_runtime=req.with_runtime,
+            target_source=getattr(req, "source", None),
+            notebook_cells=cells,
+            variable_changes=changes,
+            token_budget=self.token_budget,
+            max_output_chars=self.max_output_chars,
+            notebook_path=req.notebook_path or trajectory.get("notebook_path"),
+            trajectory_id=tid,
+            kernel_id=req.kernel_id or trajectory.get("kernel_id"),
+        )
+
+    def _supersede_key(self, req: NextCellRequest | OutputRequest, task: str) -> tuple[str, ...]:
+        target = req.kernel_id or req.notebook_path or req.trajectory_id or ""
+        return (req.client_id or "", target, task)
+
+    def register(self, req: NextCellRequest | OutputRequest, task: str) -> tuple[str, ...] | None:
+        """Make the current asyncio task the live request of its client; cancel an older one."""
+        if not req.client_id:
+            return None
+        key = self._supersede_key(req, task)
+        current = asyncio.current_task()
+        older = self._active.get(key)
+        if older is not None and older is not current and not older.done():
+            self.superseded += 1
+            older.cancel()
+        if current is not None:
+            self._active[key] = current
+        return key
+
+    def unregister(self, key: tuple[str, ...] | None) -> None:
+        if key is not None and self._active.get(key) is asyncio.current_task():
+            del self._active[key]
+
+    async def open_stream(
+        self, req: NextCellRequest | OutputRequest, task: str
+    ) -> tuple[Event, AsyncIterator[Event]]:
+        """Validate and start a prediction; returns the meta event and the rest of the stream.
+
+        Raises NotFound, UnknownBackend, BackendError (incl. BackendTimeout/Unavailable) when
+        the failure comes before the first chunk, so that it can be a plain HTTP error.
+        """
+        trajectory = self.resolve(req)
+        name = req.backend or self.default_backend
+        backend = self.backend(name)
+        if task not in backend.tasks:
+            raise NotFound(f"the {name} backend does not serve {task} predictions")
+        ctx = self.context(req, trajectory)
+        started = time.perf_counter()
+        deadline = started + self.prediction_timeout
+        if isinstance(req, NextCellRequest):
+            agen = backend.predict_next_cell(ctx, n=req.n)
+        else:
+            agen = backend.predict_output(ctx)
+        meta = Event("meta", {"backend": name, "request_id": uuid.uuid4().hex})
+        first: Event | None = None
+        try:
+            first = await self._next(agen, deadline, task)
+        except NoPrediction as e:
+            first = Event("no_prediction", {"reason": str(e) or "no prediction"})
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            await agen.aclose()
+            raise
+        except BaseException:
+            await agen.aclose()
+            raise
+        return meta, self._rest(agen, first, deadline, task, name, started)
+
+    async def _next(self, agen: Any, deadline: float, task: str) -> Event | None:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            raise BackendTimeout(f"the prediction took longer than {self.prediction_timeout:g} s")
+        # The deadline cancels this very task rather than wrapping the step in wait_for: a
+        # backend's HTTP stream must be entered and left in one task (anyio cancel scopes).
+        current = asyncio.current_task()
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            if current is not None:
+                current.cancel()
+
+        handle = asyncio.get_running_loop().call_later(remaining, expire)
+        try:
+            chunk = await agen.__anext__()
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            if current is not None and hasattr(current, "uncancel"):
+                current.uncancel()
+            raise BackendTimeout(
+                f"the prediction took longer than {self.prediction_timeout:g} s"
+                " (ThemistoExtensionApp.prediction_timeout)"
+            ) from None
+        finally:
+            handle.cancel()
+        if task == "next-cell":
+            data: dict[str, Any] = {"index": chunk.index, "text": chunk.text, "done": chunk.done}
+            if chunk.score is not None:
+                data["score"] = chunk.score
+            return Event("chunk", data)
+        return Event("chunk", {"text": chunk.text})
+
+    async def _rest(
+        self,
+        agen: Any,
+        first: Event | None,
+        deadline: float,
+        task: str,
+        name: str,
+        started: float,
+    ) -> AsyncIterator[Event]:
+        try:
+            event = first
+            while event is not None:
+                yield event
+                if event.name == "no_prediction":
+                    break
+                try:
+                    event = await self._next(agen, deadline, task)
+                except NoPrediction as e:
+                    event = Event("no_prediction", {"reason": str(e) or "no prediction"})
+                except BackendError as e:
+                    yield Event("error", {"status": e.status, "message": str(e)})
+                    break
+                except Exception as e:
+                    self.log.exception("themisto: backend %s failed", name)
+                    yield Event("error", {"status": 502, "message": f"{name}: {e}"})
+                    break
+            yield Event(
+                "done",
+                {"backend": name, "elapsed_ms": round((time.perf_counter() - started) * 1000, 2)},
+            )
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled += 1
+            raise
+        finally:
+            await agen.aclose()
+
+
+__all__ = ["BackendError", "Event", "NotFound", "ThemistoManager", "UnknownBackend"]

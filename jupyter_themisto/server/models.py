@@ -1,0 +1,62 @@
+"""Typed bodies of the prediction requests (pydantic), validated before anything runs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "NextCellRequest",
+    "NotebookCell",
+    "OutputRequest",
+    "ValidationError",
+    "describe_validation_error",
+]
+
+
+class NotebookCell(BaseModel):
+    """A cell of the notebook as the browser has it (optional context for the prediction)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    cell_type: Literal["code", "markdown", "raw"] = "code"
+    source: str = ""
+
+
+class PredictionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kernel_id: str | None = Field(None, min_length=1, max_length=200)
+    trajectory_id: str | None = Field(None, min_length=1, max_length=200)
+    notebook_path: str | None = Field(None, max_length=4096)
+    backend: str | None = Field(None, min_length=1, max_length=100)
+    with_runtime: bool = True
+    client_id: str | None = Field(None, max_length=200)
+    cells: list[NotebookCell] | None = Field(None, max_length=10000)
+
+    @model_validator(mode="after")
+    def _needs_an_id(self) -> PredictionRequest:
+        if not self.kernel_id and not self.trajectory_id:
+            raise ValueError("kernel_id or trajectory_id is required")
+        return self
+
+
+class NextCellRequest(PredictionRequest):
+    n: int = Field(3, ge=1, le=20)
+
+
+class OutputRequest(PredictionRequest):
+    source: str = Field(..., max_length=1_000_000)
+
+
+def describe_validation_error(e: ValidationError) -> str:
+    """One line per problem, naming the field: `n: Input should be greater than or equal to 1`."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)

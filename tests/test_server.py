@@ -1,0 +1,366 @@
+"""The server extension over real HTTP (pytest-jupyter): routes, validation, SSE, errors, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from jupyter_themisto.store import TrajectoryStore
+from tests.peers import Fault, OpenAIPeer
+
+PLANTED_KEY = "sk-planted-0123456789abcdef"
+
+
+@pytest.fixture
+def store(store_path):
+    s = TrajectoryStore(store_path)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def peer():
+    with OpenAIPeer(reply=["df.head()", "df.describe()"], api_key=PLANTED_KEY) as p:
+        yield p
+
+
+@pytest.fixture
+def jp_server_config(store_path, peer):
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
+        "ThemistoExtensionApp": {
+            "auto_record": False,
+            "prediction_timeout": 5.0,
+            "backend_settings": {
+                "openai": {
+                    "base_url": peer.url,
+                    "api_key": PLANTED_KEY,
+                    "timeout": 2.0,
+                    "max_retries": 1,
+                    "backoff": 0.05,
+                }
+            },
+        },
+    }
+
+
+def make_trajectory(store, kernel_id="k-1", n=5):
+    tid = store.create_trajectory(notebook_path="work/analysis.ipynb", kernel_id=kernel_id)
+    sources = [
+        "import pandas as pd",
+        "df = pd.read_csv('data.csv')",
+        "df.head()",
+        "df.describe()",
+        "df.groupby('a').mean()",
+    ]
+    ids = []
+    for i in range(n):
+        ids.append(
+            store.add_execution(
+                tid,
+                {
+                    "source": sources[i % len(sources)],
+                    "status": "ok",
+                    "execution_count": i + 1,
+                    "outputs": [{"output_type": "stream", "name": "stdout", "text": f"out {i}\n"}],
+                },
+            )
+        )
+    store.write_snapshot(
+        ids[-1],
+        [
+            {"name": "n_rows", "type": "int", "summary": {"repr": "42"}},
+            {"name": "df", "type": "pandas.DataFrame", "summary": {"shape": [3, 2], "len": 3}},
+            {"name": "api_key", "type": "str", "summary": {"repr": "'hunter2-secret'"}},
+        ],
+    )
+    return tid, ids
+
+
+def parse_sse(text: str) -> list[tuple[str, dict]]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+        events.append((name, data))
+    return events
+
+
+async def post(jp_fetch, route, body, **kw):
+    return await jp_fetch("themisto", "predict", route, method="POST", body=json.dumps(body), **kw)
+
+
+async def error_of(coro):
+    with pytest.raises(HTTPClientError) as info:
+        await coro
+    e = info.value
+    return e.code, json.loads(e.response.body)["message"]
+
+
+async def test_trajectory_routes(jp_fetch, store):
+    tid, ids = make_trajectory(store)
+    r = await jp_fetch("themisto", "trajectories")
+    assert [t["id"] for t in json.loads(r.body)["trajectories"]] == [tid]
+    r = await jp_fetch("themisto", "trajectories", params={"notebook_path": "other.ipynb"})
+    assert json.loads(r.body)["trajectories"] == []
+    r = await jp_fetch("themisto", "trajectories", tid)
+    t = json.loads(r.body)
+    assert t["n_executions"] == 5 and t["kernel_id"] == "k-1"
+    r = await jp_fetch(
+        "themisto", "trajectories", tid, "executions", params={"offset": 1, "limit": 2}
+    )
+    page = json.loads(r.body)
+    assert page["total"] == 5
+    assert [e["order_index"] for e in page["executions"]] == [1, 2]
+    assert page["executions"][0]["outputs"][0]["text"] == "out 1\n"
+    r = await jp_fetch("themisto", "executions", str(ids[-1]), "variables")
+    variables = {v["name"]: v for v in json.loads(r.body)["variables"]}
+    assert variables["n_rows"]["summary"]["repr"] == "42"
+    # A secret's value never leaves the server, even if an older store kept its repr.
+    assert "hunter2" not in r.body.decode()
+    assert variables["api_key"]["summary"] == {"redacted": True}
+
+
+async def test_not_found_and_bad_queries(jp_fetch, store):
+    make_trajectory(store)
+    assert (await error_of(jp_fetch("themisto", "trajectories", "nope")))[0] == 404
+    code, msg = await error_of(jp_fetch("themisto", "trajectories", "nope", "executions"))
+    assert code == 404 and "nope" in msg
+    assert (await error_of(jp_fetch("themisto", "executions", "999", "variables")))[0] == 404
+    code, msg = await error_of(jp_fetch("themisto", "executions", "abc", "variables"))
+    assert code == 400 and "execution id" in msg
+    code, msg = await error_of(jp_fetch("themisto", "trajectories", params={"limit": "x"}))
+    assert code == 400 and msg.startswith("limit")
+    code, msg = await error_of(jp_fetch("themisto", "trajectories", params={"offset": "-1"}))
+    assert code == 400 and msg.startswith("offset")
+
+
+async def test_backends_lists_builtins_without_secrets(jp_fetch):
+    r = await jp_fetch("themisto", "backends")
+    body = json.loads(r.body)
+    assert body["default"] == "retrieval"
+    names = {b["name"]: b for b in body["backends"]}
+    assert {"retrieval", "openai", "anthropic"} <= set(names)
+    assert names["retrieval"]["health"]["ok"] is True
+    assert "next-cell" in names["retrieval"]["tasks"]
+    assert names["anthropic"]["health"]["ok"] is False  # no key configured
+    assert PLANTED_KEY not in r.body.decode()
+
+
+async def test_next_cell_with_retrieval_streams_sse(jp_fetch, store):
+    tid, _ = make_trajectory(store)
+    other = store.create_trajectory(kernel_id="k-2")
+    store.add_execution(other, {"source": "import pandas as pd", "status": "ok"})
+    store.add_execution(other, {"source": "df = pd.read_csv('b.csv')", "status": "ok"})
+    r = await post(jp_fetch, "next-cell", {"kernel_id": "k-2", "n": 2})
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    events = parse_sse(r.body.decode())
+    assert events[0][0] == "meta" and events[0][1]["backend"] == "retrieval"
+    assert events[-1][0] == "done"
+    chunks = [d for name, d in events if name == "chunk"]
+    assert [c["index"] for c in chunks] == [0, 1]
+    assert chunks[0]["text"] == "df.head()" and chunks[0]["done"] is True
+    assert chunks[0]["score"] >= chunks[1]["score"]
+
+
+async def test_output_prediction_retrieval(jp_fetch, store):
+    tid, _ = make_trajectory(store)
+    r = await post(jp_fetch, "output", {"trajectory_id": tid, "source": "n_rows"})
+    events = parse_sse(r.body.decode())
+    assert [d["text"] for n, d in events if n == "chunk"] == ["42\n"]
+    r = await post(jp_fetch, "output", {"trajectory_id": tid, "source": "df.shape"})
+    assert [d["text"] for n, d in parse_sse(r.body.decode()) if n == "chunk"] == ["(3, 2)\n"]
+    r = await post(jp_fetch, "output", {"trajectory_id": tid, "source": "api_key"})
+    events = parse_sse(r.body.decode())
+    assert [n for n, _ in events] == ["meta", "no_prediction", "done"]
+    assert "secret" in events[1][1]["reason"]
+    r = await post(
+        jp_fetch, "output", {"trajectory_id": tid, "source": "n_rows", "with_runtime": False}
+    )
+    assert [n for n, _ in parse_sse(r.body.decode())] == ["meta", "no_prediction", "done"]
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({}, "kernel_id or trajectory_id"),
+        ({"kernel_id": "k", "n": 0}, "n:"),
+        ({"kernel_id": "k", "n": "many"}, "n:"),
+        ({"kernel_id": "k", "with_runtime": "perhaps"}, "with_runtime"),
+        ({"kernel_id": "k", "bogus": 1}, "bogus: unknown field"),
+        ({"kernel_id": "k", "cells": [{"cell_type": "slide"}]}, "cells.0.cell_type"),
+        ([1, 2], "body"),
+    ],
+)
+async def test_next_cell_400_names_the_field(jp_fetch, store, body, field):
+    code, msg = await error_of(post(jp_fetch, "next-cell", body))
+    assert code == 400 and field in msg
+
+
+async def test_output_400_and_bad_json(jp_fetch, store):
+    code, msg = await error_of(post(jp_fetch, "output", {"kernel_id": "k"}))
+    assert code == 400 and "source" in msg
+    with pytest.raises(HTTPClientError) as info:
+        await jp_fetch("themisto", "predict", "output", method="POST", body="{not json")
+    assert info.value.code == 400
+
+
+async def test_prediction_404s(jp_fetch, store):
+    tid, _ = make_trajectory(store)
+    code, msg = await error_of(post(jp_fetch, "next-cell", {"kernel_id": "no-such-kernel"}))
+    assert code == 404 and "no-such-kernel" in msg
+    code, _ = await error_of(post(jp_fetch, "next-cell", {"trajectory_id": "nope"}))
+    assert code == 404
+    code, msg = await error_of(post(jp_fetch, "next-cell", {"trajectory_id": tid, "backend": "x9"}))
+    assert code == 404 and "x9" in msg
+
+
+async def test_openai_backend_through_server(jp_fetch, store, peer):
+    tid, _ = make_trajectory(store)
+    r = await post(jp_fetch, "next-cell", {"trajectory_id": tid, "backend": "openai", "n": 2})
+    events = parse_sse(r.body.decode())
+    texts: dict[int, str] = {}
+    for name, d in events:
+        if name == "chunk":
+            texts[d["index"]] = texts.get(d["index"], "") + d["text"]
+    assert texts == {0: "df.head()", 1: "df.describe()"}
+    sent = peer.requests[-1]
+    assert sent.body["n"] == 2 and sent.body["stream"] is True
+    prompt = sent.body["messages"][1]["content"]
+    assert "df = pd.read_csv('data.csv')" in prompt and "n_rows: int" in prompt
+    assert "hunter2" not in prompt
+
+
+async def test_backend_failures_map_to_502_504(jp_fetch, store, peer):
+    tid, _ = make_trajectory(store)
+    body = {"trajectory_id": tid, "backend": "openai"}
+    peer.fail(Fault.error(500), Fault.error(500))
+    code, msg = await error_of(post(jp_fetch, "next-cell", body))
+    assert code == 502 and "HTTP 500" in msg
+    assert len(peer.requests) == 2  # one retry
+    peer.fail(Fault.hang(3.0))
+    code, msg = await error_of(post(jp_fetch, "next-cell", body))
+    assert code == 504 and "timeout" in msg
+    # A stream cut before any line was complete fails before streaming: a plain 502.
+    peer.fail(Fault.cut(after_chunks=1))
+    assert (await error_of(post(jp_fetch, "next-cell", body)))[0] == 502
+    # Cut after the first chunk reached the browser: an `error` event, then `done`.
+    peer.reply = "import numpy as np\nx = np.arange(10)\nprint(x)\n"
+    peer.fail(Fault.cut(after_chunks=6))
+    r = await post(jp_fetch, "next-cell", body)
+    events = parse_sse(r.body.decode())
+    assert events[1] == ("chunk", {"index": 0, "text": "import numpy as np\n", "done": False})
+    assert events[-2][0] == "error" and events[-2][1]["status"] == 502
+    assert "cut off" in events[-2][1]["message"]
+    assert events[-1][0] == "done"
+
+
+async def test_disconnect_cancels_backend(
+    jp_fetch, jp_serverapp, store, peer, jp_base_url, jp_http_port, jp_auth_header
+):
+    tid, _ = make_trajectory(store)
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    peer.reply = "a = 1\nb = 2\nc = 3\nd = 4\ne = 5\nf = 6\n"
+    peer.fail(Fault.slow(0.3))
+    # A raw socket, so that closing it really drops the connection mid-stream.
+    reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
+    body = json.dumps({"trajectory_id": tid, "backend": "openai"}).encode()
+    head = (
+        f"POST {jp_base_url}themisto/predict/next-cell HTTP/1.1\r\n"
+        f"Host: 127.0.0.1:{jp_http_port}\r\n"
+        f"Authorization: {jp_auth_header['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    received = b""
+    while b"event: chunk" not in received:
+        data = await asyncio.wait_for(reader.read(4096), timeout=30)
+        assert data, received
+        received += data
+    assert b"200 OK" in received
+    writer.close()
+    for _ in range(100):
+        if manager.cancelled and peer.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert manager.cancelled == 1
+    # The model server saw its client go away: generation stopped upstream too.
+    assert peer.disconnects
+
+
+async def test_newer_request_supersedes_older(jp_fetch, jp_serverapp, store, peer):
+    tid, _ = make_trajectory(store)
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    peer.fail(Fault.hang(1.5))
+    body = {"trajectory_id": tid, "backend": "openai", "client_id": "tab-1"}
+    older = asyncio.ensure_future(post(jp_fetch, "next-cell", body))
+    for _ in range(100):
+        if peer.requests:
+            break
+        await asyncio.sleep(0.02)
+    newer = await post(jp_fetch, "next-cell", body)
+    assert parse_sse(newer.body.decode())[-1][0] == "done"
+    code, msg = await error_of(older)
+    assert code == 409 and "superseded" in msg
+    assert manager.superseded == 1
+
+
+ROUTES = [
+    ("GET", ("themisto", "trajectories")),
+    ("GET", ("themisto", "trajectories", "x")),
+    ("GET", ("themisto", "trajectories", "x", "executions")),
+    ("GET", ("themisto", "executions", "1", "variables")),
+    ("GET", ("themisto", "backends")),
+    ("POST", ("themisto", "predict", "next-cell")),
+    ("POST", ("themisto", "predict", "output")),
+]
+
+
+@pytest.mark.parametrize("method, parts", ROUTES)
+async def test_unauthenticated_requests_are_refused(jp_fetch, store, method, parts):
+    kw = {"body": json.dumps({"trajectory_id": "x", "source": "1"})} if method == "POST" else {}
+    with pytest.raises(HTTPClientError) as info:
+        await jp_fetch(*parts, method=method, headers={"Authorization": ""}, **kw)
+    assert info.value.code == 403
+
+
+async def body_of(coro) -> bytes:
+    """The response body, whether the status is a success or an error."""
+    try:
+        return (await coro).body
+    except HTTPClientError as e:
+        return e.response.body
+
+
+async def test_planted_key_never_leaks(jp_fetch, store, peer, caplog):
+    caplog.set_level(logging.DEBUG)
+    tid, _ = make_trajectory(store)
+    body = {"trajectory_id": tid, "backend": "openai"}
+    bodies = [
+        await body_of(jp_fetch("themisto", "backends")),
+        await body_of(post(jp_fetch, "next-cell", body)),
+    ]
+    # Real servers echo (part of) a refused key in the error message.
+    peer.fail(Fault.error(401, message=f"Incorrect API key provided: {PLANTED_KEY}"))
+    bodies.append(await body_of(post(jp_fetch, "next-cell", body)))
+    assert b"HTTP 401" in bodies[-1] and b"***" in bodies[-1]
+    peer.fail(Fault.error(429), Fault.error(429))
+    bodies.append(await body_of(post(jp_fetch, "output", {**body, "source": "df"})))
+    assert b"HTTP 429" in bodies[-1]
+    peer.fail(Fault.malformed())
+    bodies.append(await body_of(post(jp_fetch, "next-cell", body)))
+    assert b"malformed JSON" in bodies[-1]
+    peer.fail(Fault.hang(3))
+    bodies.append(await body_of(post(jp_fetch, "next-cell", body)))
+    for b in bodies:
+        assert PLANTED_KEY not in b.decode()
+    assert caplog.text and PLANTED_KEY not in caplog.text
