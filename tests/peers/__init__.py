@@ -42,7 +42,7 @@ class Fault:
     "hang" (sleep `delay` seconds before any byte), "malformed" (invalid JSON where the API
     sends JSON), "cut" (start streaming, send `after_chunks` chunks, close the connection
     without the end marker), "slow" (stream with `delay` seconds between chunks; notes in
-    `peer.disconnects` when the client went away).
+    `peer.disconnects` when the client went away), "stream_error" (an error event mid-stream).
     """
 
     kind: str
@@ -67,6 +67,12 @@ class Fault:
     @classmethod
     def cut(cls, after_chunks: int = 1) -> Fault:
         return cls("cut", after_chunks=after_chunks)
+
+    @classmethod
+    def stream_error(cls, after_chunks: int = 1) -> Fault:
+        """An error reported inside the stream after some chunks (Anthropic's `event: error`,
+        an `{"error": …}` chunk for OpenAI-compatible servers such as vLLM)."""
+        return cls("stream_error", after_chunks=after_chunks)
 
     @classmethod
     def slow(cls, delay: float) -> Fault:
@@ -353,6 +359,14 @@ class OpenAIPeer(_Peer):
                 if fault is not None and fault.kind == "malformed" and sent >= 1:
                     self._send_event(h, '{"id": "' + rid + '", "choices": [{"delta": {"cont')
                     return
+                if (
+                    fault is not None
+                    and fault.kind == "stream_error"
+                    and sent >= fault.after_chunks
+                ):
+                    err = self.error_body(500, "The model crashed while generating.")
+                    self._send_event(h, json.dumps(err))
+                    return
                 if fault is not None and fault.kind == "slow":
                     time.sleep(fault.delay)
                 self._send_event(h, chunk(i, piece, None))
@@ -453,6 +467,9 @@ class AnthropicPeer(_Peer):
                 return
             if fault is not None and fault.kind == "malformed" and sent >= 1:
                 self._send_event(h, '{"type": "content_block_delta", "ind', "content_block_delta")
+                return
+            if fault is not None and fault.kind == "stream_error" and sent >= fault.after_chunks:
+                self._send_event(h, json.dumps(self.error_body(529, "")), "error")
                 return
             if fault is not None and fault.kind == "slow":
                 time.sleep(fault.delay)
