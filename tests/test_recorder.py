@@ -226,7 +226,9 @@ def test_sigkill_mid_cell_leaves_store_intact(tmp_path):
     rows = store.list_executions(traj["id"])
     assert len(rows) == 6
     assert [r["outputs"][0]["text"] for r in rows[:5]] == [f"{i}\n" for i in range(5)]
-    assert {r["snapshot_status"] for r in rows[:6]} <= {"ok", "partial"}
+    # Snapshots may be skipped when cells come faster than children finish; none is torn.
+    assert {r["snapshot_status"] for r in rows} <= {"ok", "partial", "skipped"}
+    assert rows[-1]["snapshot_status"] in ("ok", "partial")
 
 
 def test_unwritable_store_never_breaks_cells(tmp_path):

@@ -17,7 +17,8 @@ SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     store = tmp_path_factory.mktemp("snapshots") / "trajectories.sqlite"
-    k = RecordingKernel(store)
+    # Cells here come faster than a loaded machine may finish snapshots: no skipping.
+    k = RecordingKernel(store, ["--ThemistoRecorder.max_snapshot_children=16"])
     yield k
     k.shutdown()
 
@@ -57,7 +58,10 @@ def test_unchanged_variables_cost_no_new_blob(kernel):
     v1 = kernel.variables(first.msg_id)
     with kernel.store() as store:
         blobs_before = store.blob_stats()["count"]
-    steps = [kernel.run(f"counter = {i}") for i in range(3)]
+    steps = []
+    for i in range(3):
+        steps.append(kernel.run(f"counter = {i}"))
+        kernel.wait_snapshot(steps[-1].msg_id)
     for step in steps:
         v = kernel.variables(step.msg_id)
         for name in ("big", "names", "items", "arr", "df"):

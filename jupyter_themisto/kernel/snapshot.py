@@ -354,6 +354,17 @@ def _fingerprint(value: Any, xxhash: Any) -> str | None:
     return None
 
 
+def _xxh3(data: bytes) -> str:
+    try:
+        import xxhash
+
+        return xxhash.xxh3_128_hexdigest(data)
+    except ImportError:
+        import hashlib
+
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def _array_fingerprint(a: Any, xxhash: Any) -> str | None:
     import numpy as np
 
@@ -371,18 +382,26 @@ def _pandas_fingerprint(value: Any, xxhash: Any) -> str | None:
     import pandas as pd
 
     def column_hash(col: Any) -> str | None:
-        arr = col.to_numpy() if hasattr(col, "to_numpy") else None
-        if isinstance(arr, np.ndarray) and not arr.dtype.hasobject and arr.dtype == col.dtype:
-            return _array_fingerprint(arr, xxhash)
+        dtype = col.dtype
+        if isinstance(dtype, np.dtype) and not dtype.hasobject:
+            # A numpy-backed column: its buffer, without a copy.
+            return _array_fingerprint(col.to_numpy(), xxhash)
+        arrow = _arrow_fingerprint(col, xxhash)
+        if arrow is not None:
+            return arrow
         hashed = pd.util.hash_pandas_object(col, index=False).to_numpy()
         return _array_fingerprint(hashed, xxhash)
+
+    def index_hash(index: Any) -> str | None:
+        if isinstance(index, pd.RangeIndex):
+            return repr(index)
+        return _array_fingerprint(pd.util.hash_pandas_object(index).to_numpy(), xxhash)
 
     h = xxhash.xxh3_128()
     if isinstance(value, pd.DataFrame):
         h.update(repr(list(value.columns)).encode())
         h.update(repr([str(d) for d in value.dtypes]).encode())
-        idx = pd.util.hash_pandas_object(value.index).to_numpy()
-        h.update(str(_array_fingerprint(idx, xxhash)).encode())
+        h.update(str(index_hash(value.index)).encode())
         for _, col in value.items():
             part = column_hash(col)
             if part is None:
@@ -391,14 +410,37 @@ def _pandas_fingerprint(value: Any, xxhash: Any) -> str | None:
         return h.hexdigest()
     if isinstance(value, pd.Series):
         h.update(f"{value.name!r}{value.dtype}".encode())
-        idx = pd.util.hash_pandas_object(value.index).to_numpy()
-        h.update(str(_array_fingerprint(idx, xxhash)).encode())
+        h.update(str(index_hash(value.index)).encode())
         part = column_hash(value)
         if part is None:
             return None
         h.update(part.encode())
         return h.hexdigest()
     return None
+
+
+def _arrow_fingerprint(col: Any, xxhash: Any) -> str | None:
+    """Hash of an Arrow-backed column's buffers (pandas' string dtype): no per-element work."""
+    if not hasattr(col.array, "__arrow_array__") or "pyarrow" not in sys.modules:
+        return None
+    try:
+        import pyarrow as pa
+
+        # The extension array's own Arrow data (zero-copy), never an element-wise conversion.
+        chunked = col.array.__arrow_array__()
+        if isinstance(chunked, pa.Array):
+            chunked = pa.chunked_array([chunked])
+        if not isinstance(chunked, pa.ChunkedArray):
+            return None
+    except Exception:
+        return None
+    h = xxhash.xxh3_128()
+    h.update(str(chunked.type).encode())
+    for chunk in chunked.chunks:
+        h.update(f"{chunk.offset}:{len(chunk)}".encode())
+        for buf in chunk.buffers():
+            h.update(b"-" if buf is None else memoryview(buf))
+    return h.hexdigest()
 
 
 def _secret_key_in(value: Any, pattern: str | None) -> str | None:
@@ -478,27 +520,27 @@ class SnapshotWriter:
             )
             rec["changed"] = prev is None or prev.get("stub_reason") != rec["stub_reason"]
             return rec
-        summary = summarize(value, self.max_repr_chars)
-        rec["summary"] = summary
         reason = refusal(value)
         if reason:
-            rec["stub_reason"] = reason
+            summary = summarize(value, self.max_repr_chars)
+            rec.update(summary=summary, stub_reason=reason)
             rec["changed"] = prev is None or prev.get("summary", {}).get("repr") != summary["repr"]
             return rec
         fp = fingerprint(value)
         rec["fingerprint"] = fp
         same_type = prev is not None and prev.get("type") == rec["type"]
         if fp is not None and same_type and prev is not None and prev.get("fingerprint") == fp:
-            # Unchanged by its fingerprint: reuse the previous blob (or stub) as it is.
-            if "codec" in (prev.get("summary") or {}):
-                summary["codec"] = prev["summary"]["codec"]
+            # Unchanged by its fingerprint: reuse the previous summary and blob (or stub).
             rec.update(
+                summary=dict(prev.get("summary") or {}),
                 size=prev.get("size"),
                 blob_hash=prev.get("blob_hash"),
                 stub_reason=prev.get("stub_reason"),
                 changed=False,
             )
             return rec
+        summary = summarize(value, self.max_repr_chars)
+        rec["summary"] = summary
         estimate = estimated_size(value)
         if estimate is not None and estimate > self.max_variable_bytes:
             rec.update(
@@ -534,8 +576,16 @@ class SnapshotWriter:
                 raise
             rec.update(stub_reason=f"unpicklable: {type(e).__name__}: {str(e)[:200]}", changed=True)
             return rec
-        digest = self.store.put_blob(data)
         summary["codec"] = codec
+        if fp is None:
+            # No cheap fingerprint: the pickle's own hash spares the compression and write of
+            # a value serialized to the same bytes as last time.
+            fp = rec["fingerprint"] = f"pickle:{_xxh3(data)}"
+            if same_type and prev is not None and prev.get("fingerprint") == fp:
+                rec.update(size=len(data), blob_hash=prev.get("blob_hash"), changed=False)
+                if rec["blob_hash"]:
+                    return rec
+        digest = self.store.put_blob(data)
         rec.update(
             size=len(data),
             blob_hash=digest,
