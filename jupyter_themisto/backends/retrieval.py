@@ -39,7 +39,7 @@ def tokenize(text: str) -> list[str]:
     out: list[str] = []
     for m in _IDENT.finditer(text):
         word = m.group().lower()
-        if word in _STOP or len(word) < 2:
+        if word in _STOP:
             continue
         out.append(word)
         if "_" in word.strip("_"):

@@ -92,7 +92,7 @@ class ThemistoExtensionApp(ExtensionApp):
             max_page=self.max_page_size,
         )
         self.auto_recorder = AutoRecorder(
-            self.serverapp, log=self.log, ready_timeout=self.auto_record_timeout
+            self.serverapp, log=self.log, ready_timeout=self.auto_record_timeout, store=self.store
         )
         if self.auto_record:
             self.auto_recorder.attach()

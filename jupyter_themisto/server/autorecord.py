@@ -5,7 +5,8 @@ starts or restarts, it waits for the kernel to be ready and sends one silent exe
 `%load_ext jupyter_themisto` (silent, store_history=False: nothing is shown, nothing counts as
 an execution, the recorder's own hooks do not fire for it). The kernel finds the store through
 THEMISTO_STORE, which the extension puts in the server's environment, and the notebook path
-through JPY_SESSION_NAME, which jupyter_server sets for kernels of a session.
+through JPY_SESSION_NAME, which jupyter_server sets for kernels of a session (the server then
+rewrites it to the notebook's API path, as the browser knows it).
 
 A notebook opts out with `"themisto": {"record": false}` in its metadata.
 """
@@ -31,8 +32,10 @@ class AutoRecorder:
         *,
         log: logging.Logger,
         ready_timeout: float = 60.0,
+        store: Any = None,
     ) -> None:
         self.serverapp = serverapp
+        self.store = store
         self.log = log
         self.ready_timeout = ready_timeout
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -92,6 +95,15 @@ class AutoRecorder:
         setting = meta.get("themisto") if isinstance(meta, dict) else None
         return isinstance(setting, dict) and setting.get("record") is False
 
+    def _use_api_path(self, kernel_id: str, path: str | None) -> None:
+        # The kernel knows its notebook only as an OS path (JPY_SESSION_NAME); the browser
+        # and the REST API name it by its path under the server root.
+        if not path or self.store is None:
+            return
+        t = self.store.latest_trajectory_for_kernel(kernel_id)
+        if t is not None and t.get("notebook_path") != path:
+            self.store.update_trajectory(t["id"], notebook_path=path)
+
     async def enable(self, kernel_id: str) -> str:
         try:
             outcome = await self._enable(kernel_id)
@@ -126,5 +138,6 @@ class AutoRecorder:
                 raise RuntimeError(f"{content.get('ename')}: {content.get('evalue')}")
         finally:
             client.stop_channels()
+        self._use_api_path(kernel_id, path)
         self.log.info("themisto: recording kernel %s (%s)", kernel_id, path or "no notebook")
         return "loaded"

@@ -1,0 +1,183 @@
+"""The embedded retrieval backend: ranking quality on recorded workflows, corpus, honest outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jupyter_themisto.backends import BackendEnv, NoPrediction, create_backend
+from jupyter_themisto.backends.retrieval import RetrievalPredictor, predict_output_from_summary
+from jupyter_themisto.context import PredictionContext, VariableInfo, build_context
+from jupyter_themisto.store import TrajectoryStore
+
+EDA = [
+    "import pandas as pd",
+    "sales = pd.read_csv('sales.csv')",
+    "sales.head()",
+    "sales.describe()",
+    "sales.isna().sum()",
+    "sales = sales.dropna()",
+    "sales.groupby('region')['revenue'].sum().plot.bar()",
+]
+TRAIN = [
+    "from sklearn.model_selection import train_test_split",
+    "X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.2)",
+    "from sklearn.ensemble import RandomForestClassifier",
+    "clf = RandomForestClassifier(n_estimators=100)",
+    "clf.fit(X_train, y_train)",
+    "clf.score(X_test, y_test)",
+]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TrajectoryStore(tmp_path / "t.sqlite")
+    yield s
+    s.close()
+
+
+def record(store, cells, **kw):
+    tid = store.create_trajectory(**kw)
+    for c in cells:
+        store.add_execution(tid, {"source": c, "status": "ok"})
+    return tid
+
+
+async def suggestions(backend, ctx, n=3):
+    return [c.text async for c in backend.predict_next_cell(ctx, n=n)]
+
+
+async def test_ranks_the_next_step_of_a_known_workflow(store):
+    for _ in range(2):
+        record(store, EDA)
+        record(store, TRAIN)
+    backend = RetrievalPredictor({}, BackendEnv(store=store))
+    hits = total = 0
+    for workflow in (EDA, TRAIN):
+        for i in range(1, len(workflow) - 1):
+            ctx = build_context([{"source": s} for s in workflow[: i + 1]])
+            top = await suggestions(backend, ctx, n=1)
+            total += 1
+            hits += top == [workflow[i + 1]]
+    # Every next step was seen twice after the same cells: retrieval must find nearly all.
+    assert hits / total >= 0.8, (hits, total)
+
+
+async def test_live_variable_names_steer_the_ranking(store):
+    record(store, ["import numpy as np", "arr = np.zeros(3)", "arr.sum()"])
+    record(store, ["import numpy as np", "mat = np.eye(3)", "mat.T"])
+    backend = RetrievalPredictor({}, BackendEnv(store=store))
+    base = [{"source": "import numpy as np"}]
+    for name, expected in (("arr", "arr.sum()"), ("mat", "mat.T")):
+        ctx = build_context(base, [{"name": name, "type": "numpy.ndarray"}])
+        assert expected in (await suggestions(backend, ctx, n=2))[:1] or expected in (
+            await suggestions(backend, ctx, n=3)
+        )
+    ctx_arr = build_context(base, [{"name": "arr", "type": "numpy.ndarray"}])
+    ctx_mat = build_context(base, [{"name": "mat", "type": "numpy.ndarray"}])
+    assert (await suggestions(backend, ctx_arr, n=5)) != (await suggestions(backend, ctx_mat, n=5))
+
+
+async def test_no_repeat_of_the_cell_just_run_and_new_executions_are_indexed(store):
+    tid = record(store, ["a = 1", "b = a + 1"])
+    backend = RetrievalPredictor({}, BackendEnv(store=store))
+    ctx = build_context([{"source": "a = 1"}, {"source": "b = a + 1"}])
+    with pytest.raises(NoPrediction):
+        await suggestions(backend, ctx)
+    store.add_execution(tid, {"source": "print(b)", "status": "ok"})
+    record(store, ["a = 1", "b = a + 1", "print(a, b)"])
+    out = await suggestions(backend, ctx)
+    assert "b = a + 1" not in out and "print(a, b)" in out
+
+
+async def test_corpus_directory_without_history(tmp_path):
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "source": "# Plot"},
+            {"cell_type": "code", "source": ["import matplotlib.pyplot as plt\n"]},
+            {"cell_type": "code", "source": "fig, ax = plt.subplots()"},
+            {"cell_type": "code", "source": "ax.plot([1, 2, 3])"},
+        ],
+        "metadata": {},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    (tmp_path / "corpus" / "sub").mkdir(parents=True)
+    (tmp_path / "corpus" / "sub" / "plot.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "corpus" / "broken.ipynb").write_text("{not json")
+    backend = create_backend("retrieval", {"corpus_dir": str(tmp_path / "corpus")}, BackendEnv())
+    assert (await backend.health())["ok"]
+    ctx = build_context([{"source": "import matplotlib.pyplot as plt"}])
+    assert (await suggestions(backend, ctx, n=1)) == ["fig, ax = plt.subplots()"]
+    missing = RetrievalPredictor({"corpus_dir": str(tmp_path / "nope")})
+    assert (await missing.health())["ok"] is False
+
+
+async def test_empty_history_is_no_prediction(store):
+    backend = RetrievalPredictor({}, BackendEnv(store=store))
+    with pytest.raises(NoPrediction, match="no recorded history"):
+        await suggestions(backend, build_context([{"source": "x = 1"}]))
+
+
+def var(name, type_, **summary):
+    return VariableInfo(name=name, type=type_, summary=summary)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("n", "42\n"),
+        ("  n  ", "42\n"),
+        ("name", "'Ada'\n"),
+        ("pair", "(1, 2)\n"),
+        ("len(items)", "12\n"),
+        ("arr.shape", "(3, 4)\n"),
+    ],
+)
+def test_honest_output_predictions(source, expected):
+    ctx = PredictionContext(
+        variables=[
+            var("n", "int", repr="42"),
+            var("name", "str", repr="'Ada'", len=3),
+            var("pair", "tuple", repr="(1, 2)", len=2),
+            var("items", "list", repr="[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ...]", len=12),
+            var("arr", "numpy.ndarray", shape=[3, 4], dtype="float64", repr="array(...)"),
+        ],
+        target_source=source,
+    )
+    assert predict_output_from_summary(ctx) == expected
+
+
+@pytest.mark.parametrize(
+    "source, reason",
+    [
+        ("items", "not its whole repr"),  # reprlib cut the list
+        ("long", "not its whole repr"),  # reprlib cut the string
+        ("arr", "not its whole repr"),  # an array's repr is not in the summary
+        ("token", "secret"),
+        ("n;", "semicolon"),
+        ("missing", "not among"),
+        ("n + 1", "only a bare variable"),
+        ("print(n)", "only a bare variable"),
+        ("n\nn", "one-line"),
+        ("", "empty"),
+    ],
+)
+def test_no_output_prediction_when_unsure(source, reason):
+    ctx = PredictionContext(
+        variables=[
+            var("n", "int", repr="42"),
+            var("items", "list", repr="[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ...]", len=12),
+            var("long", "str", repr="'aaaa...aaaa'", len=500),
+            var("arr", "numpy.ndarray", shape=[3, 4], repr="array([[0., ...]])"),
+            var("token", "str", redacted=True),
+        ],
+        target_source=source,
+    )
+    with pytest.raises(NoPrediction, match=reason):
+        predict_output_from_summary(ctx)
+    ctx.with_runtime = False
+    ctx.target_source = "n"
+    with pytest.raises(NoPrediction, match="runtime"):
+        predict_output_from_summary(ctx)

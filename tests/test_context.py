@@ -1,0 +1,122 @@
+"""The context builder's curation: token budget, variable order, truncation, markdown, prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from jupyter_themisto.context import (
+    build_context,
+    estimate_tokens,
+    render_context,
+    render_prompt,
+    truncate_text,
+)
+
+
+def rows(n, output="x" * 50):
+    return [
+        {
+            "source": f"step_{i} = {i}",
+            "order_index": i,
+            "execution_count": i + 1,
+            "status": "ok",
+            "outputs": [{"output_type": "stream", "name": "stdout", "text": output}],
+        }
+        for i in range(n)
+    ]
+
+
+def test_budget_keeps_the_newest_cells_in_run_order():
+    ctx = build_context(rows(500), token_budget=400)
+    rendered = render_context(ctx)
+    assert estimate_tokens(rendered) <= 400 * 1.3
+    sources = [c.source for c in ctx.cells]
+    assert sources[-1] == "step_499 = 499"
+    assert sources == sorted(sources, key=lambda s: int(s.split("_")[1].split()[0]))
+    assert 3 < len(sources) < 100
+    unlimited = build_context(rows(500), token_budget=None)
+    assert len(unlimited.cells) == 500
+
+
+def test_outputs_are_truncated_with_a_marker():
+    ctx = build_context(rows(2, output="y" * 5000), max_output_chars=100, token_budget=None)
+    text = ctx.cells[-1].output_text
+    assert len(text) < 200 and "more characters" in text
+
+
+def test_oversized_newest_cell_is_cut_not_dropped():
+    big = [{"source": "z = '" + "q" * 20000 + "'", "status": "ok"}]
+    ctx = build_context(big, token_budget=200)
+    assert len(ctx.cells) == 1 and "characters cut" in ctx.cells[0].source
+    assert estimate_tokens(ctx.cells[0].source) <= 210
+
+
+def test_variables_most_recently_changed_first_and_curated():
+    variables = [
+        {"name": "old", "type": "int", "summary": {"repr": "1"}},
+        {"name": "df", "type": "pandas.DataFrame", "summary": {"shape": [3, 2], "columns": ["a"]}},
+        {"name": "np", "type": "module", "summary": {}},
+        {"name": "_hidden", "type": "int", "summary": {}},
+        {"name": "model", "type": "sklearn.Pipeline", "summary": {"repr": "Pipeline(...)"}},
+    ]
+    changes = {"old": 1, "df": 7, "model": 4}
+    ctx = build_context(rows(8), variables, variable_changes=changes)
+    assert [v.name for v in ctx.variables] == ["df", "model", "old"]
+    assert ctx.variables[0].changed_at == 7
+    text = render_context(ctx)
+    assert "df: pandas.DataFrame shape=[3, 2] columns=[a]" in text
+    assert "Live variables" in text
+    # With the snapshot's `changed` flag only, changed variables go first.
+    flagged = [dict(v, changed=v["name"] == "model") for v in variables]
+    assert build_context(rows(8), flagged).variables[0].name == "model"
+
+
+def test_runtime_summary_bounded_by_its_share_of_the_budget():
+    variables = [
+        {"name": f"v{i:03d}", "type": "pandas.DataFrame", "summary": {"columns": ["c"] * 30}}
+        for i in range(200)
+    ]
+    ctx = build_context(rows(3), variables, token_budget=1000, max_variables=500)
+    used = sum(estimate_tokens(line) for line in render_context(ctx).splitlines() if "v" in line)
+    assert 0 < len(ctx.variables) < 200 and used <= 1000
+    assert len(build_context(rows(3), variables, max_variables=10).variables) == 10
+
+
+def test_without_runtime_and_redacted():
+    variables = [{"name": "api_key", "type": "str", "summary": {"redacted": True}}]
+    ctx = build_context(rows(2), variables, with_runtime=False)
+    assert ctx.variables == [] and "Live variables" not in render_context(ctx)
+    ctx = build_context(rows(2), variables)
+    assert "api_key: str (redacted)" in render_context(ctx)
+
+
+def test_markdown_cells_of_the_notebook_come_first():
+    nb = [
+        {"cell_type": "markdown", "source": "# Sales analysis\nWe look at revenue."},
+        {"cell_type": "code", "source": "ignored = 1"},
+        {"cell_type": "markdown", "source": ["## Cleaning"]},
+    ]
+    ctx = build_context(rows(2), notebook_cells=nb)
+    kinds = [c.cell_type for c in ctx.cells]
+    assert kinds == ["markdown", "markdown", "code", "code"]
+    text = render_context(ctx)
+    assert "# # Sales analysis" in text and "ignored" not in text
+
+
+def test_prompts_per_task_and_ids():
+    ctx = build_context(rows(2), target_source="step_1", notebook_path="a.ipynb", kernel_id="k")
+    assert ctx.notebook_path == "a.ipynb" and ctx.kernel_id == "k"
+    instructions, prompt = render_prompt(ctx, "output")
+    assert "output" in instructions and prompt.endswith("output of:\nstep_1\n")
+    instructions, prompt = render_prompt(ctx, "next-cell")
+    assert "next code cell" in instructions and prompt.endswith("# The next cell:\n")
+    assert "# In[2]:\nstep_1 = 1\n# Out:\n# xxxx" in prompt
+    with pytest.raises(ValueError):
+        render_prompt(ctx, "poem")
+
+
+def test_truncate_text():
+    assert truncate_text("abc", 10) == "abc"
+    cut = truncate_text("a" * 100 + "b" * 100, 30)
+    assert cut.startswith("a" * 20) and cut.endswith("b" * 10) and "cut" in cut
+    assert truncate_text("abc", 0) == ""
