@@ -1,0 +1,57 @@
+"""`jupyter themisto …`: record notebooks headlessly, list and show trajectories, export
+benchmark dumps and evaluate backends on them.
+
+Every subcommand reports bad input as one line on stderr (`jupyter-themisto: error: …`) and
+exits non-zero; files are written to a temporary path and renamed into place, so an error or
+an interruption never leaves a half-written result behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .._version import __version__
+from ._common import CliError
+
+__all__ = ["CliError", "main"]
+
+PROG = "jupyter-themisto"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import evaluate, export, listing, record
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Record notebook trajectories, export benchmark dumps, evaluate backends.",
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    parser.add_argument(
+        "--store",
+        metavar="PATH",
+        help="trajectory store file (default: $THEMISTO_STORE, else the Jupyter data directory)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (record, export, evaluate, listing):
+        module.add_parsers(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.status
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def run() -> None:
+    sys.exit(main())

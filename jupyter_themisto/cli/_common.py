@@ -1,0 +1,114 @@
+"""Helpers shared by the subcommands: errors, opening the store, atomic writes, tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..store import StoreError, TrajectoryStore, default_store_path
+
+
+class CliError(Exception):
+    """Bad input or a failure the person can act on: one line on stderr, non-zero exit."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def store_path(args: argparse.Namespace) -> Path:
+    return Path(args.store).expanduser() if args.store else default_store_path()
+
+
+def open_store(args: argparse.Namespace, *, readonly: bool = True) -> TrajectoryStore:
+    """The store named by --store / THEMISTO_STORE; a missing one is an error when reading."""
+    path = store_path(args)
+    if readonly and not path.exists():
+        raise CliError(f"no trajectory store at {path} (record something first, or pass --store)")
+    try:
+        return TrajectoryStore(path, readonly=readonly)
+    except (StoreError, RuntimeError) as e:
+        raise CliError(str(e)) from e
+
+
+def progress(total: int | None, desc: str, unit: str = "it", disable: bool = False) -> Any:
+    """A tqdm bar on stderr (hidden when stderr is not a terminal and the work is short)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, leave=False)
+
+
+@contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[Any]:
+    """Write `path` via a temporary file in the same folder, renamed on success only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    with atomic_file(path) as f:
+        json.dump(data, f, indent=2, sort_keys=False, default=str)
+        f.write("\n")
+
+
+@contextmanager
+def atomic_dir(target: Path, *, force: bool = False) -> Iterator[Path]:
+    """Build a folder under a temporary name beside `target`, renamed into place on success.
+
+    An existing non-empty `target` is an error unless `force`, which replaces it only once the
+    new folder is complete.
+    """
+    if target.exists() and not target.is_dir():
+        raise CliError(f"{target} exists and is not a folder")
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise CliError(f"{target} already exists and is not empty (pass --force to replace it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+    """A plain-text table with aligned columns."""
+    cells = [[("" if v is None else str(v)) for v in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in cells:
+        for i, v in enumerate(r):
+            widths[i] = max(widths[i], len(v))
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line.rstrip(), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(out)
+
+
+def one_line(text: str, limit: int = 60) -> str:
+    """Text squeezed onto one line, cut to `limit` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"

@@ -1,0 +1,252 @@
+"""`jupyter themisto record NOTEBOOK…`: re-execute notebooks headlessly with the recorder loaded.
+
+Each notebook runs top to bottom in a fresh kernel (nbclient), producing one trajectory exactly
+as a live session would: nbclient sends each cell's id in the execute request's metadata, and
+the recorder (the `jupyter_themisto` IPython extension) is loaded by a *silent* execute before
+the first cell, so loading it is not recorded. The kernel learns the store and the notebook
+path from THEMISTO_STORE and THEMISTO_NOTEBOOK_PATH. The notebook file itself is never written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ._common import CliError, progress, store_path
+
+# Silent executes fire no pre/post_run_cell, so none of this is recorded; the expressions bind
+# no names, so nothing of ours shows up in the person's namespace or its snapshots.
+_LOAD = "get_ipython().run_line_magic('load_ext', 'jupyter_themisto')"
+_SET_MODE = (
+    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
+    ".get_recorder().snapshot_mode = {mode!r}"
+)
+_FLUSH = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().flush_pending()"
+_RUNNING = (
+    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
+    ".get_recorder().snapshots.running()"
+)
+_REAP = (
+    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
+    ".get_recorder().snapshots.reap()"
+)
+_TRAJECTORY = (
+    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().trajectory_id"
+)
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser(
+        "record",
+        help="re-execute notebooks headlessly, recording their trajectories",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("notebooks", nargs="+", metavar="NOTEBOOK", help=".ipynb files to run")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="seconds one cell may run"
+    )
+    p.add_argument(
+        "--kernel", metavar="NAME", default=None, help="kernel name (default: the notebook's)"
+    )
+    p.add_argument(
+        "--allow-errors",
+        action="store_true",
+        help="go on after a cell raises (recorded with status error); default: stop the notebook",
+    )
+    p.add_argument(
+        "--snapshot-mode",
+        choices=["inline", "fork", "off"],
+        default="inline",
+        help="how the recorder snapshots the namespace (default inline: nobody waits on a "
+        "headless run, and no snapshot is skipped because too many children are running)",
+    )
+    p.set_defaults(func=cmd_record)
+
+
+def _read(path: Path) -> Any:
+    import nbformat
+
+    if not path.is_file():
+        raise CliError(f"no such notebook: {path}")
+    try:
+        nb = nbformat.read(str(path), as_version=4)
+    except Exception as e:  # nbformat raises many kinds for a file that is not a notebook
+        raise CliError(f"{path} is not a Jupyter notebook: {type(e).__name__}: {e}") from e
+    return nb
+
+
+def _send_cell_ids(kc: Any, current: dict[str, Any]) -> None:
+    """Make the kernel client put the running cell's id in each execute request's metadata
+    (`cellId`, as JupyterLab does): ipykernel hands it to IPython as `ExecutionInfo.cell_id`.
+    nbclient does not send it, and jupyter_client's `execute` takes no metadata."""
+    plain = kc.execute
+
+    def execute(
+        code: str,
+        silent: bool = False,
+        store_history: bool = True,
+        user_expressions: dict[str, Any] | None = None,
+        allow_stdin: bool | None = None,
+        stop_on_error: bool = True,
+    ) -> str:
+        if silent or not current.get("cell_id"):
+            return plain(
+                code,
+                silent=silent,
+                store_history=store_history,
+                user_expressions=user_expressions,
+                allow_stdin=allow_stdin,
+                stop_on_error=stop_on_error,
+            )
+        content = {
+            "code": code,
+            "silent": silent,
+            "store_history": store_history,
+            "user_expressions": user_expressions or {},
+            "allow_stdin": kc.allow_stdin if allow_stdin is None else allow_stdin,
+            "stop_on_error": stop_on_error,
+        }
+        msg = kc.session.msg("execute_request", content, metadata={"cellId": current["cell_id"]})
+        kc.shell_channel.send(msg)
+        return msg["header"]["msg_id"]
+
+    kc.execute = execute
+
+
+async def _execute_silent(client: Any, code: str, timeout: float = 60.0) -> dict[str, Any]:
+    """A silent execute (no run_cell hooks, no history); returns the reply content."""
+    kc = client.kc
+    msg_id = kc.execute(code, silent=True, store_history=False)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CliError(f"the kernel did not answer within {timeout:.0f} s")
+        reply = await kc.get_shell_msg(timeout=left)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]
+
+
+async def _query(client: Any, expression: str, timeout: float = 60.0) -> Any:
+    """Evaluate an expression silently (a user_expression of a silent execute)."""
+    kc = client.kc
+    msg_id = kc.execute("", silent=True, store_history=False, user_expressions={"v": expression})
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CliError(f"the kernel did not answer within {timeout:.0f} s")
+        reply = await kc.get_shell_msg(timeout=left)
+        if reply["parent_header"].get("msg_id") != msg_id:
+            continue
+        value = reply["content"].get("user_expressions", {}).get("v", {})
+        if value.get("status") != "ok":
+            raise CliError(
+                f"the recorder did not load in the kernel: {value.get('ename')}: "
+                f"{value.get('evalue')}"
+            )
+        return value["data"].get("text/plain")
+
+
+def record_notebook(
+    path: Path,
+    store: Path,
+    *,
+    timeout: float,
+    kernel: str | None,
+    allow_errors: bool,
+    snapshot_mode: str,
+) -> dict[str, Any]:
+    """Run one notebook with the recorder; returns {"trajectory_id", "cells", "error"}."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    nb = _read(path)
+    kwargs: dict[str, Any] = {"timeout": timeout, "allow_errors": allow_errors}
+    if kernel:
+        kwargs["kernel_name"] = kernel
+    client = NotebookClient(nb, resources={"metadata": {"path": str(path.parent)}}, **kwargs)
+    env = dict(os.environ)
+    env["THEMISTO_STORE"] = str(store)
+    env["THEMISTO_NOTEBOOK_PATH"] = str(path.resolve())
+    code_cells = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    error: str | None = None
+    ran = 0
+    bar = progress(len(code_cells), path.name, unit="cell")
+    trajectory_id: str | None = None
+    current: dict[str, Any] = {"cell_id": None}
+
+    async def run() -> None:
+        nonlocal error, ran, trajectory_id
+        try:
+            async with client.async_setup_kernel(env=env):
+                _send_cell_ids(client.kc, current)
+                await _execute_silent(client, _LOAD)
+                await _execute_silent(client, _SET_MODE.format(mode=snapshot_mode))
+                tid = await _query(client, _TRAJECTORY)
+                trajectory_id = tid.strip("'\"") if tid and tid != "None" else None
+                for index, cell in code_cells:
+                    current["cell_id"] = cell.get("id")
+                    try:
+                        await client.async_execute_cell(cell, index)
+                    except CellTimeoutError:
+                        error = f"cell {index} timed out after {timeout:.0f} s"
+                        break
+                    except CellExecutionError as e:
+                        first = str(e).strip().splitlines()
+                        error = f"cell {index} raised " + (first[-1] if first else "an error")
+                        break
+                    except DeadKernelError:
+                        error = f"the kernel died in cell {index}"
+                        return
+                    ran += 1
+                    bar.update(1)
+                # The last execution is written after its reply and snapshots may still run:
+                # wait for both before the kernel goes away.
+                await _execute_silent(client, _FLUSH)
+                deadline = time.monotonic() + max(timeout, 60.0)
+                while time.monotonic() < deadline:
+                    await _execute_silent(client, _REAP)
+                    if await _query(client, _RUNNING) in ("0", None):
+                        break
+                    await asyncio.sleep(0.1)
+        except CliError:
+            raise
+        except (RuntimeError, OSError) as e:
+            raise CliError(f"cannot run {path}: {type(e).__name__}: {e}") from e
+
+    try:
+        asyncio.run(run())
+    finally:
+        bar.close()
+    return {"trajectory_id": trajectory_id, "cells": ran, "error": error, "notebook": str(path)}
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    paths = [Path(p).expanduser() for p in args.notebooks]
+    for p in paths:  # all inputs checked before any kernel starts
+        _read(p)
+    store = store_path(args)
+    failed = 0
+    for p in paths:
+        result = record_notebook(
+            p,
+            store,
+            timeout=args.timeout,
+            kernel=args.kernel,
+            allow_errors=args.allow_errors,
+            snapshot_mode=args.snapshot_mode,
+        )
+        line = f"{p}: trajectory {result['trajectory_id']}, {result['cells']} cells recorded"
+        if result["error"]:
+            failed += 1
+            print(f"{line}; stopped: {result['error']}", file=sys.stderr)
+        else:
+            print(line)
+    return 1 if failed else 0
