@@ -481,7 +481,9 @@ def dataset_card(manifest: dict[str, Any]) -> str:
         pattern = "{name}-*.parquet"
         load = (
             "```python\nimport pandas as pd\n"
-            'executions = pd.concat(pd.read_parquet(p) for p in sorted(Path(DIR).glob("executions-*.parquet")))\n\n'
+            "from glob import glob\n"
+            'shards = sorted(glob(f"{DIR}/executions-*.parquet"))\n'
+            "executions = pd.concat(pd.read_parquet(p) for p in shards)\n\n"
             "from datasets import load_dataset\n"
             'ds = load_dataset("parquet", data_files={"test": f"{DIR}/next_cell-*.parquet"})\n```'
         )

@@ -1,4 +1,4 @@
-"""`jupyter themisto list` and `show ID`: the store's trajectories and one trajectory's executions."""
+"""`jupyter themisto list` and `show ID`: the trajectories, and one trajectory's executions."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps({"trajectory": t, "executions": rows}, indent=2, default=str))
         return 0
     print(
-        f"trajectory {t['id']}  notebook {t['notebook_path'] or '-'}  started {_time(t['started_at'])}"
+        f"trajectory {t['id']}  notebook {t['notebook_path'] or '-'}"
+        f"  started {_time(t['started_at'])}"
     )
     print(
         table(

@@ -26,7 +26,10 @@ _SET_MODE = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
     ".get_recorder().snapshot_mode = {mode!r}"
 )
-_FLUSH = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().flush_pending()"
+_FLUSH = (
+    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
+    ".flush_pending()"
+)
 _RUNNING = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
     ".get_recorder().snapshots.running()"
