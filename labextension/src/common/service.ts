@@ -101,11 +101,19 @@ export class ThemistoService {
     const request = this.baseRequest(panel);
     request.n = this._settings.suggestions;
     request.cells = [];
+    // The cells the predicted one follows: those above the active cell, and the active cell
+    // itself unless it is the empty one waiting for the prediction.
     const model = panel.content.model;
     if (model) {
-      for (let i = 0; i < model.cells.length; i++) {
+      const active = panel.content.activeCellIndex;
+      const last = active < 0 ? model.cells.length - 1 : active;
+      for (let i = 0; i <= last && i < model.cells.length; i++) {
         const cell = model.cells.get(i);
-        request.cells.push({ cell_type: cell.type, source: cell.sharedModel.getSource() });
+        const source = cell.sharedModel.getSource();
+        if (i === active && !source.trim()) {
+          break;
+        }
+        request.cells.push({ cell_type: cell.type, source });
       }
     }
     const path = panel.context.path;

@@ -4,12 +4,16 @@
  */
 import { ICompletionProviderManager } from '@jupyterlab/completer';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
+import { Cell } from '@jupyterlab/cells';
 import { CommandRegistry } from '@lumino/commands';
 
 import { ThemistoService } from '../common/service';
 import { NextCellProvider } from './provider';
 
 export const SUGGEST_COMMAND = 'themisto:suggest-next-cell';
+
+/** The recorder writes a cell's row just after the kernel goes idle. */
+const RECORD_GRACE_MS = 60;
 
 /** Whether the notebook has run any code (in this session or as saved). */
 function hasExecutions(panel: NotebookPanel): boolean {
@@ -35,17 +39,57 @@ export function activateNextCell(
   const provider = new NextCellProvider({ service });
   manager.registerInlineProvider(provider);
 
-  const invoke = (panel: NotebookPanel) => {
-    // The completer extension swaps its editor on the same signal; let it go first.
+  // Cells sent to the kernel but not yet answered, per notebook. The backend predicts from the
+  // recorded trajectory, and Shift+Enter activates the new cell before the cell it ran is
+  // recorded: a prediction asked then would answer for the trajectory one step behind.
+  const pending = new WeakMap<object, Set<string>>();
+  const pendingOf = (notebook: object) => {
+    let set = pending.get(notebook);
+    if (!set) {
+      set = new Set();
+      pending.set(notebook, set);
+    }
+    return set;
+  };
+  let waiting: { panel: NotebookPanel; cell: Cell } | null = null;
+
+  const invokeNow = (panel: NotebookPanel, cell: Cell) => {
+    // The completer extension swaps its editor on activeCellChanged too; let it go first.
     requestAnimationFrame(() => {
-      if (tracker.currentWidget === panel) {
+      if (
+        tracker.currentWidget === panel &&
+        panel.content.activeCell === cell &&
+        !cell.model.sharedModel.getSource().trim()
+      ) {
         manager.inline?.invoke(panel.id);
       }
     });
   };
 
+  /** Invoke once the notebook's running cells are answered, the kernel idle and recorded. */
+  const invokeWhenRecorded = (panel: NotebookPanel, cell: Cell) => {
+    if (pendingOf(panel.content).size > 0) {
+      waiting = { panel, cell };
+      return;
+    }
+    waiting = null;
+    const kernel = panel.sessionContext.session?.kernel;
+    if (!kernel || kernel.status === 'idle') {
+      window.setTimeout(() => invokeNow(panel, cell), RECORD_GRACE_MS);
+      return;
+    }
+    const onStatus = (_: unknown, status: string) => {
+      if (status === 'idle' || status === 'dead' || status === 'unknown') {
+        kernel.statusChanged.disconnect(onStatus);
+        window.setTimeout(() => invokeNow(panel, cell), RECORD_GRACE_MS);
+      }
+    };
+    kernel.statusChanged.connect(onStatus);
+  };
+
   tracker.activeCellChanged.connect((_, cell) => {
     provider.cancel();
+    waiting = null;
     const panel = tracker.currentWidget;
     if (!panel || !cell || cell.model.type !== 'code') {
       return;
@@ -54,14 +98,27 @@ export function activateNextCell(
     if (settings.trigger !== 'automatic' || !service.isActiveFor(panel)) {
       return;
     }
-    if (cell.model.sharedModel.getSource().trim() !== '' || !hasExecutions(panel)) {
+    if (cell.model.sharedModel.getSource().trim() !== '') {
       return;
     }
-    invoke(panel);
+    if (!hasExecutions(panel) && pendingOf(panel.content).size === 0) {
+      return;
+    }
+    invokeWhenRecorded(panel, cell);
   });
 
-  // A cell that starts running makes any next-cell prediction in flight stale.
-  NotebookActions.executionScheduled.connect(() => provider.cancel());
+  NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
+    // A cell that starts running makes any next-cell prediction in flight stale.
+    provider.cancel();
+    pendingOf(notebook).add(cell.model.id);
+  });
+  NotebookActions.executed.connect((_, { notebook, cell }) => {
+    const set = pendingOf(notebook);
+    set.delete(cell.model.id);
+    if (set.size === 0 && waiting && waiting.panel.content === notebook) {
+      invokeWhenRecorded(waiting.panel, waiting.cell);
+    }
+  });
 
   commands.addCommand(SUGGEST_COMMAND, {
     label: 'Themisto: Suggest the Next Cell',

@@ -1,0 +1,275 @@
+"""Browser tests of the JupyterLab plugin: a real `jupyter lab`, Debian's chromium via Playwright.
+
+Scenarios: ghost text in a new cell after three runs (Tab accepts it); the side panel's
+suggestions with Insert & Run; a predicted output replaced by the real one with its badge; the
+trajectory timeline; a failure shown quietly in the panel. Each saves screenshots under
+test-artifacts/. The ghost-text latency is printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from jupyter_themisto.store import TrajectoryStore
+from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+TIMEOUT_MS = 30_000
+
+# An earlier session the retrieval backend learns from: after these three cells came the fourth.
+HISTORY = [
+    "import math",
+    "values = [1, 2, 3, 4]",
+    "total = sum(values)",
+    "print(total / len(values))",
+]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+    server = JupyterLab(tmp_path_factory.mktemp("lab"))
+    server.store_path.parent.mkdir(parents=True, exist_ok=True)
+    store = TrajectoryStore(server.store_path)
+    tid = store.create_trajectory(notebook_path="earlier/analysis.ipynb")
+    for source in HISTORY:
+        store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    # Per test: Playwright's sync API drives an event loop that must be gone before
+    # pytest-jupyter's autouse loop fixture closes its own at teardown.
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def page(browser: Browser, request: pytest.FixtureRequest) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(TIMEOUT_MS)
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        yield pg
+    finally:
+        context.close()
+    themisto_errors = [e for e in errors if "themisto" in e.lower()]
+    assert not themisto_errors, themisto_errors
+
+
+def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"ui-{name}.png"))
+
+
+def open_notebook(page: Page, lab: JupyterLab, name: str, *, recorded: bool = True) -> str:
+    """Open a fresh notebook; wait for its kernel (and, if `recorded`, for the recorder)."""
+    lab.new_notebook(name, None if recorded else {"themisto": {"record": False}})
+    page.goto(lab.lab_url(name, name.replace(".ipynb", "")))
+    expect(page.locator(".jp-NotebookPanel .jp-Cell").first).to_be_visible(timeout=60_000)
+    deadline = time.monotonic() + 90
+    kernel_id = None
+    while time.monotonic() < deadline:
+        kernel_id = lab.kernel_id(name)
+        if kernel_id and not recorded:
+            break
+        if kernel_id and any(
+            t["kernel_id"] == kernel_id
+            for t in TrajectoryStore(lab.store_path).list_trajectories(limit=100)
+        ):
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"no recorded kernel for {name}:\n{lab.log()}")
+    expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
+        1, timeout=60_000
+    )
+    page.locator(".jp-NotebookPanel .jp-Cell").first.locator(".cm-content").click()
+    return kernel_id
+
+
+def cells(page: Page):
+    return page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell")
+
+
+def run_cell(page: Page, source: str) -> None:
+    """Type `source` into the active cell and Shift+Enter; wait for its execution count."""
+    index = cells(page).count() - 1
+    active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+    expect(active).to_have_count(1)
+    editor = active.locator(".cm-content")
+    editor.click()
+    page.keyboard.type(source)
+    expect(editor).to_have_text(source)
+    page.keyboard.press("Shift+Enter")
+    prompt = cells(page).nth(index).locator(".jp-InputPrompt")
+    expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=60_000)
+
+
+def open_panel(page: Page) -> None:
+    tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='jp-themisto-panel']")
+    tab.click()
+    expect(page.locator("#jp-themisto-panel")).to_be_visible()
+
+
+def test_ghost_text_after_three_runs_and_tab_accepts(page: Page, lab: JupyterLab) -> None:
+    open_notebook(page, lab, "ghost.ipynb")
+    run_cell(page, HISTORY[0])
+    run_cell(page, HISTORY[1])
+    # Watch, in the page, for the new empty cell becoming active and its ghost text appearing.
+    page.evaluate(
+        """() => {
+        const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+        const before = nb.querySelectorAll('.jp-Cell').length;
+        window.__themistoTiming = {};
+        const t = window.__themistoTiming;
+        const check = () => {
+          const all = nb.querySelectorAll('.jp-Cell');
+          const active = nb.querySelector('.jp-Cell.jp-mod-active');
+          if (!t.activeAt && all.length > before && active === all[all.length - 1]) {
+            t.activeAt = performance.now();
+          }
+          if (t.activeAt && !t.ghostAt && active && active.querySelector('.jp-GhostText')) {
+            t.ghostAt = performance.now();
+          }
+        };
+        new MutationObserver(check).observe(nb, {
+          subtree: true, childList: true, attributes: true, attributeFilter: ['class']
+        });
+      }"""
+    )
+    run_cell(page, HISTORY[2])
+    ghost = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active .jp-GhostText")
+    expect(ghost).to_be_visible()
+    expect(ghost).to_have_text(HISTORY[3])
+    timing = page.evaluate("() => window.__themistoTiming")
+    latency = timing["ghostAt"] - timing["activeAt"]
+    print(f"\nghost text appeared {latency:.0f} ms after the new empty cell became active")
+    shot(page, "1-ghost-text")
+    page.keyboard.press("Tab")
+    active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+    expect(active.locator(".cm-content")).to_have_text(HISTORY[3])
+    expect(active.locator(".jp-GhostText")).to_have_count(0)
+    assert cells(page).count() == 4
+    shot(page, "1-ghost-text-accepted")
+
+
+def test_panel_lists_suggestions_and_insert_and_run(page: Page, lab: JupyterLab) -> None:
+    open_notebook(page, lab, "panel.ipynb")
+    for source in HISTORY[:3]:
+        run_cell(page, source)
+    page.keyboard.press("Escape")
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    panel.get_by_role("button", name="Suggest").click()
+    suggestions = panel.locator(".jp-ThemistoSuggestion")
+    expect(suggestions.first).to_be_visible()
+    assert 1 <= suggestions.count() <= 3
+    expect(suggestions.first.locator(".jp-ThemistoSuggestion-code")).to_have_text(HISTORY[3])
+    expect(panel.locator(".jp-ThemistoPanel-meta").first).to_have_text(
+        re.compile(r"Backend: retrieval · \d+ ms")
+    )
+    shot(page, "2-panel-suggestions")
+    suggestions.first.get_by_role("button", name="Insert & Run").click()
+    inserted = cells(page).nth(3)
+    expect(inserted.locator(".cm-content")).to_have_text(HISTORY[3])
+    expect(inserted.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=60_000)
+    expect(inserted.locator(".jp-OutputArea-output")).to_have_text("2.5")
+    shot(page, "2-panel-insert-and-run")
+
+
+def test_predicted_output_replaced_by_real_with_badge(page: Page, lab: JupyterLab) -> None:
+    open_notebook(page, lab, "output.ipynb")
+    run_cell(page, "y = [1, 2, 3]")
+    active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+    active.locator(".cm-content").click()
+    page.keyboard.type("len(y)")
+    page.keyboard.press("Alt+p")
+    predicted = active.locator(".jp-ThemistoPredictedOutput")
+    expect(predicted).to_have_attribute("data-state", "done")
+    expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("3")
+    opacity = float(predicted.evaluate("n => getComputedStyle(n).opacity"))
+    assert opacity < 1, "the predicted output is dimmed"
+    shot(page, "3-predicted-output")
+    page.keyboard.press("Shift+Enter")
+    ran = cells(page).nth(1)
+    expect(ran.locator(".jp-OutputArea-output")).to_have_text("3")
+    expect(ran.locator(".jp-ThemistoPredictedOutput")).to_have_count(0)
+    badge = ran.locator(".jp-ThemistoPredictionBadge")
+    expect(badge).to_have_attribute("data-matched", "true")
+    expect(badge).to_contain_text("prediction matched")
+    shot(page, "3-real-output-with-badge")
+
+
+def test_timeline_lists_the_executions(page: Page, lab: JupyterLab) -> None:
+    open_notebook(page, lab, "timeline.ipynb")
+    sources = ["a = 1", "b = a + 1", "1 / 0"]
+    for source in sources:
+        run_cell(page, source)
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    rows = panel.locator(".jp-ThemistoTimeline tbody tr")
+    expect(rows).to_have_count(3, timeout=TIMEOUT_MS)
+    for i, source in enumerate(sources):
+        row = rows.nth(i).locator("td")
+        expect(row.nth(0)).to_have_text(re.compile(r"^\d+$"))
+        expect(row.nth(1)).to_have_text(source)
+        expect(row.nth(2)).to_have_text("error" if source == "1 / 0" else "ok")
+        expect(row.nth(3)).to_have_text(re.compile(r"\d+(\.\d+)? (ms|s)$"))
+        expect(row.nth(4)).to_have_text(re.compile(r"\d+\.\d MB$"))
+    orders = [int(rows.nth(i).locator("td").first.inner_text()) for i in range(3)]
+    assert orders == sorted(orders) and len(set(orders)) == 3
+    expect(panel.locator("svg.jp-ThemistoChart rect")).to_have_count(3)
+    expect(panel.locator("svg.jp-ThemistoChart polyline")).to_have_count(1)
+    expect(panel).to_contain_text("3 executions recorded")
+    shot(page, "4-timeline")
+
+
+def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -> None:
+    """An opted-out notebook records nothing and asks for nothing; a bad backend is reported
+    in the panel's status line, not in a dialog."""
+    open_notebook(page, lab, "optout.ipynb", recorded=False)
+    run_cell(page, "values = [1, 2, 3, 4]")
+    run_cell(page, "total = sum(values)")
+    active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+    page.wait_for_timeout(800)
+    expect(active.locator(".jp-GhostText")).to_have_count(0)
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    expect(panel).to_contain_text("Nothing recorded yet for this notebook")
+    panel.get_by_role("button", name="Suggest").click()
+    status = panel.locator(".jp-ThemistoPanel-status")
+    expect(status).to_contain_text("switched off for this notebook")
+    # A backend that does not exist: the server's 404 ends up on the panel's status line.
+    lab.api(
+        "PUT",
+        "/lab/api/settings/jupyter-themisto:plugin",
+        {"raw": '{"backend": "no-such-backend", "debounceMs": 30}'},
+    )
+    try:
+        open_notebook(page, lab, "badbackend.ipynb")
+        run_cell(page, "values = [1, 2, 3, 4]")
+        open_panel(page)
+        panel.get_by_role("button", name="Suggest").click()
+        expect(status).to_be_visible()
+        expect(status).to_contain_text("no-such-backend")
+        expect(page.locator(".jp-Dialog")).to_have_count(0)
+        shot(page, "5-quiet-failure")
+    finally:
+        lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": '{"debounceMs": 30}'})

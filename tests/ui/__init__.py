@@ -1,0 +1,1 @@
+"""Support for the browser tests: a real `jupyter lab` subprocess and Playwright."""
