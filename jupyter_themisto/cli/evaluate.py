@@ -1,5 +1,508 @@
-"""stub."""
+"""`jupyter themisto evaluate DUMP --backend NAME --task next-cell|output`: score a backend.
+
+Runs the backend over the dump's task instances (the context of each is built from the dump's
+execution rows with jupyter_themisto.context.build_context, with or without the runtime
+summary) and scores every prediction (jupyter_themisto.metrics). In --out DIR (default
+DUMP/evaluation) it writes, per run (task × backend × with/without runtime):
+`<task>__<backend>__<runtime>.jsonl`, one line per example, appended and flushed as each one
+finishes, so an interrupted run resumes where it stopped (examples already scored are
+skipped; failed ones are retried). After each run it rewrites, from all the runs in DIR,
+`summary.json`, `results.md` (a Markdown table) and `results.png` (each metric per run, with
+and without runtime side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import metrics as M
+from ..backends import (
+    BackendEnv,
+    BackendError,
+    BackendUnavailable,
+    NoPrediction,
+    UnknownBackend,
+    create_backend,
+)
+from ..context import build_context
+from ._common import CliError, atomic_file, progress, write_json
+
+TASKS = ("next-cell", "output")
+_TASK_TABLE = {"next-cell": "next_cell", "output": "output"}
+_METRIC_LABELS = {
+    "exact_match": "EM",
+    "rouge_l": "ROUGE-L",
+    "chrf": "chrF",
+    "bleu": "BLEU",
+    "api_precision": "API P",
+    "api_recall": "API R",
+}
 
 
-def add_parsers(sub):
-    pass
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="run a backend over a dump's task instances and score it",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dump", metavar="DUMP", help="a folder written by `jupyter themisto export`")
+    p.add_argument("--backend", required=True, help="backend name (an installed entry point)")
+    p.add_argument("--task", required=True, help="next-cell or output")
+    runtime = p.add_mutually_exclusive_group()
+    runtime.add_argument(
+        "--with-runtime",
+        dest="with_runtime",
+        action="store_true",
+        default=True,
+        help="give the backend the runtime summary (default)",
+    )
+    runtime.add_argument(
+        "--without-runtime",
+        dest="with_runtime",
+        action="store_false",
+        help="cells and outputs only, no variables",
+    )
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N instances only")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        metavar="N",
+        help="predictions in flight at once (overlaps an HTTP backend's requests)",
+    )
+    p.add_argument("--out", metavar="DIR", default=None, help="default: DUMP/evaluation")
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend setting (repeatable; VALUE parsed as JSON when it is JSON), "
+        "e.g. -o base_url=http://127.0.0.1:8000/v1 -o model=qwen",
+    )
+    p.add_argument(
+        "--train",
+        metavar="DUMP",
+        default=None,
+        help="a dump whose trajectories the backend may learn from (its history store: used by "
+        "retrieval and ret-train); trajectories of the evaluated dump are never lent",
+    )
+    p.add_argument(
+        "--token-budget", type=int, default=3000, help="context budget in tokens (default 3000)"
+    )
+    p.set_defaults(func=cmd_evaluate)
+
+
+# -- reading a dump ---------------------------------------------------------------------------
+
+
+def read_manifest(dump: Path) -> dict[str, Any]:
+    if not dump.is_dir():
+        raise CliError(f"no such dump folder: {dump}")
+    path = dump / "dump.json"
+    if not path.is_file():
+        raise CliError(f"{dump} is not a dump (no dump.json; write one with `export`)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest["files"]["executions"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CliError(f"{path} is not a valid dump manifest: {e}") from e
+    return manifest
+
+
+def read_table(dump: Path, manifest: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """All rows of one table of a dump, as plain dicts."""
+    rows: list[dict[str, Any]] = []
+    for file in manifest["files"].get(name, []):
+        path = dump / file
+        if not path.is_file():
+            raise CliError(f"the dump is incomplete: {path} is missing")
+        if file.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            rows.extend(pq.read_table(path).to_pylist())
+        else:
+            with open(path, encoding="utf-8") as f:
+                rows.extend(json.loads(line) for line in f if line.strip())
+    return rows
+
+
+class DumpContexts:
+    """Builds the prediction context of a task instance from the dump's execution rows."""
+
+    def __init__(self, executions: list[dict[str, Any]], token_budget: int | None) -> None:
+        self.by_trajectory: dict[str, list[dict[str, Any]]] = {}
+        for r in executions:
+            self.by_trajectory.setdefault(r["trajectory_id"], []).append(r)
+        for rows in self.by_trajectory.values():
+            rows.sort(key=lambda r: r["order_index"])
+        self.token_budget = token_budget
+
+    def prior(self, instance: dict[str, Any]) -> list[dict[str, Any]]:
+        rows = self.by_trajectory.get(instance["trajectory_id"], [])
+        return [r for r in rows if r["order_index"] < instance["order_index"]]
+
+    def build(self, instance: dict[str, Any], with_runtime: bool) -> Any:
+        prior = self.prior(instance)
+        executions = [
+            {
+                "source": r["source"],
+                "outputs": json.loads(r["outputs"]) if isinstance(r["outputs"], str) else [],
+                "status": r["status"],
+                "execution_count": r.get("execution_count"),
+                "order_index": r["order_index"],
+            }
+            for r in prior
+        ]
+        variables: list[dict[str, Any]] = []
+        changes: dict[str, int] = {}
+        if with_runtime:
+            for r in prior:
+                for v in r.get("variables") or []:
+                    if v.get("changed"):
+                        changes[v["name"]] = r["order_index"]
+            for r in reversed(prior):
+                if r.get("variables"):
+                    variables = [
+                        {
+                            "name": v["name"],
+                            "type": v["type"],
+                            "summary": _json_obj(v.get("summary")),
+                            "changed": v.get("changed"),
+                        }
+                        for v in r["variables"]
+                    ]
+                    break
+        return build_context(
+            executions,
+            variables,
+            with_runtime=with_runtime,
+            target_source=instance.get("source") or None if instance["task"] == "output" else None,
+            variable_changes=changes,
+            token_budget=self.token_budget,
+            trajectory_id=instance["trajectory_id"],
+            notebook_path=prior[0].get("notebook_path") if prior else None,
+        )
+
+
+def _json_obj(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def train_store(dump: Path, exclude: set[str], folder: Path) -> Any:
+    """A temporary store holding a training dump's trajectories (minus `exclude`)."""
+    from ..store import TrajectoryStore
+
+    manifest = read_manifest(dump)
+    store = TrajectoryStore(folder / "train.sqlite")
+    trajectories = {t["trajectory_id"]: t for t in read_table(dump, manifest, "trajectories")}
+    rows = sorted(
+        read_table(dump, manifest, "executions"),
+        key=lambda r: (r["trajectory_id"], r["order_index"]),
+    )
+    created: set[str] = set()
+    for r in rows:
+        tid = r["trajectory_id"]
+        if tid in exclude:
+            continue
+        if tid not in created:
+            t = trajectories.get(tid, {})
+            store.create_trajectory(
+                trajectory_id=tid,
+                notebook_path=r.get("notebook_path"),
+                started_at=t.get("started_at"),
+            )
+            created.add(tid)
+        store.add_execution(
+            tid,
+            {
+                "source": r["source"],
+                "status": r["status"],
+                "outputs": json.loads(r["outputs"]),
+                "cell_id": r.get("cell_id"),
+                "execution_count": r.get("execution_count"),
+            },
+        )
+    return store
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"a backend option must look like KEY=VALUE, not {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def run_name(task: str, backend: str, with_runtime: bool) -> str:
+    return f"{task}__{backend}__{'with' if with_runtime else 'without'}-runtime"
+
+
+def _open_results(path: Path) -> dict[str, dict[str, Any]]:
+    """Examples already in a run's JSONL (by id); a line cut by a kill is dropped."""
+    done: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        # The process was killed mid-line: cut back to the last complete line.
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        data = data[:keep]
+    for line in data.decode("utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        done[row["id"]] = row
+    return done
+
+
+async def _predict(backend: Any, task: str, ctx: Any) -> str:
+    parts: list[str] = []
+    if task == "next-cell":
+        async for chunk in backend.predict_next_cell(ctx, n=1):
+            if chunk.index == 0:
+                parts.append(chunk.text)
+    else:
+        async for chunk in backend.predict_output(ctx):
+            parts.append(chunk.text)
+    return "".join(parts)
+
+
+async def run_examples(
+    backend: Any,
+    task: str,
+    instances: list[dict[str, Any]],
+    contexts: DumpContexts,
+    with_runtime: bool,
+    out_file: Path,
+    concurrency: int,
+    meta: dict[str, Any],
+) -> int:
+    """Predict and score `instances`, appending one JSON line per example; returns errors."""
+    sem = asyncio.Semaphore(max(1, concurrency))
+    errors = 0
+    bar = progress(len(instances), meta["backend"], unit="ex")
+    with open(out_file, "a", encoding="utf-8") as f:
+
+        async def one(inst: dict[str, Any]) -> None:
+            nonlocal errors
+            async with sem:
+                ctx = contexts.build(inst, with_runtime)
+                started = time.perf_counter()
+                row: dict[str, Any] = {
+                    "id": inst["id"],
+                    **meta,
+                    "trajectory_id": inst["trajectory_id"],
+                    "order_index": inst["order_index"],
+                    "reference": inst["target"],
+                }
+                try:
+                    row["prediction"] = await _predict(backend, task, ctx)
+                except NoPrediction as e:
+                    row["prediction"] = ""
+                    row["no_prediction"] = str(e)
+                except BackendError as e:
+                    row["prediction"] = ""
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    errors += 1
+                row["latency"] = round(time.perf_counter() - started, 4)
+                if "error" not in row:
+                    row["scores"] = M.score(row["prediction"], inst["target"], task)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+                bar.update(1)
+
+        try:
+            await asyncio.gather(*(one(i) for i in instances))
+        finally:
+            bar.close()
+            await backend.aclose()
+    return errors
+
+
+# -- reporting --------------------------------------------------------------------------------
+
+
+def summarize_run(path: Path) -> dict[str, Any] | None:
+    rows = list(_open_results(path).values())
+    if not rows:
+        return None
+    scored = [r for r in rows if "scores" in r]
+    first = rows[0]
+    out: dict[str, Any] = {
+        "task": first.get("task"),
+        "backend": first.get("backend"),
+        "with_runtime": first.get("with_runtime"),
+        "dump": first.get("dump"),
+        "n": len(rows),
+        "n_scored": len(scored),
+        "n_no_prediction": sum(1 for r in scored if "no_prediction" in r),
+        "n_errors": len(rows) - len(scored),
+        "mean_latency": (sum(r.get("latency", 0.0) for r in scored) / len(scored))
+        if scored
+        else None,
+        "metrics": M.mean_scores(r["scores"] for r in scored),
+    }
+    out["metrics"].update(
+        M.corpus_scores([r["prediction"] for r in scored], [r["reference"] for r in scored])
+    )
+    return out
+
+
+def write_reports(out_dir: Path) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    for path in sorted(out_dir.glob("*__*__*.jsonl")):
+        s = summarize_run(path)
+        if s:
+            runs[path.stem] = s
+    summary = {"generated_at": time.time(), "runs": runs}
+    write_json(out_dir / "summary.json", summary)
+    with atomic_file(out_dir / "results.md") as f:
+        f.write(markdown_table(runs))
+    plot(runs, out_dir / "results.png")
+    return summary
+
+
+def _fmt(v: Any) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
+def markdown_table(runs: dict[str, Any]) -> str:
+    keys = list(_METRIC_LABELS)
+    head = "| task | backend | runtime | n | errors | " + " | ".join(
+        _METRIC_LABELS[k] for k in keys
+    )
+    lines = [head + " |", "|" + "---|" * (5 + len(keys))]
+    for s in runs.values():
+        m = s["metrics"]
+        cells = [
+            s["task"],
+            s["backend"],
+            "with" if s["with_runtime"] else "without",
+            str(s["n"]),
+            str(s["n_errors"]),
+        ] + [_fmt(m.get(k)) for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict[str, Any], path: Path) -> None:
+    """One panel per task: every metric, a bar per backend and runtime setting side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({s["task"] for s in runs.values()})
+    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(6.5 * max(1, len(tasks)), 4))
+    axes = [axes] if not hasattr(axes, "__len__") else list(axes)
+    for ax, task in zip(axes, tasks, strict=False):
+        mine = sorted(
+            (s for s in runs.values() if s["task"] == task),
+            key=lambda s: (s["backend"], not s["with_runtime"]),
+        )
+        keys = [k for k in _METRIC_LABELS if any(s["metrics"].get(k) is not None for s in mine)]
+        width = 0.8 / max(1, len(mine))
+        for j, s in enumerate(mine):
+            xs = [i + (j - (len(mine) - 1) / 2) * width for i in range(len(keys))]
+            ys = [s["metrics"].get(k) or 0.0 for k in keys]
+            label = f"{s['backend']} ({'with' if s['with_runtime'] else 'without'} runtime)"
+            ax.bar(xs, ys, width, label=label, hatch="" if s["with_runtime"] else "//")
+        ax.set_xticks(range(len(keys)), [_METRIC_LABELS[k] for k in keys])
+        ax.set_ylim(0, 1)
+        ax.set_title(task)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    if args.task not in TASKS:
+        raise CliError(f"unknown task {args.task!r}: expected next-cell or output")
+    dump = Path(args.dump).expanduser()
+    manifest = read_manifest(dump)
+    options = parse_options(args.option)
+    executions = read_table(dump, manifest, "executions")
+    instances = read_table(dump, manifest, _TASK_TABLE[args.task])
+    if not executions or not instances:
+        raise CliError(f"the dump {dump} has no {args.task} instances to evaluate")
+    if args.limit is not None:
+        instances = instances[: max(0, args.limit)]
+    out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="themisto-train-") as tmp:
+        store = None
+        if args.train:
+            exclude = {r["trajectory_id"] for r in executions}
+            store = train_store(Path(args.train).expanduser(), exclude, Path(tmp))
+        try:
+            backend = create_backend(args.backend, options, BackendEnv(store=store))
+        except (UnknownBackend, BackendUnavailable) as e:
+            raise CliError(str(e)) from e
+        except (ValueError, TypeError) as e:
+            raise CliError(f"cannot configure backend {args.backend!r}: {e}") from e
+        if args.task not in getattr(backend, "tasks", TASKS):
+            raise CliError(f"backend {args.backend!r} does not predict {args.task}")
+        name = run_name(args.task, args.backend, args.with_runtime)
+        out_file = out_dir / f"{name}.jsonl"
+        done = {k for k, r in _open_results(out_file).items() if "error" not in r}
+        todo = [i for i in instances if i["id"] not in done]
+        if len(todo) < len(instances):
+            print(f"resuming {name}: {len(instances) - len(todo)} of {len(instances)} done")
+        contexts = DumpContexts(executions, args.token_budget)
+        meta = {
+            "task": args.task,
+            "backend": args.backend,
+            "with_runtime": args.with_runtime,
+            "dump": str(dump),
+        }
+        errors = asyncio.run(
+            run_examples(
+                backend,
+                args.task,
+                todo,
+                contexts,
+                args.with_runtime,
+                out_file,
+                args.concurrency,
+                meta,
+            )
+        )
+    summary = write_reports(out_dir)
+    s = summary["runs"].get(name, {})
+    m = s.get("metrics", {})
+    print(
+        f"{name}: n={s.get('n')} "
+        + " ".join(f"{_METRIC_LABELS[k]}={_fmt(m.get(k))}" for k in _METRIC_LABELS if k in m)
+    )
+    print(f"results in {out_dir}")
+    if errors:
+        print(f"{errors} examples failed (rerun to retry them)", flush=True)
+        return 1
+    return 0
