@@ -191,7 +191,7 @@ async def test_output_prediction_retrieval(jp_fetch, store):
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({}, "kernel_id or trajectory_id"),
+        ({}, "kernel_id, trajectory_id or notebook_path"),
         ({"kernel_id": "k", "n": 0}, "n:"),
         ({"kernel_id": "k", "n": "many"}, "n:"),
         ({"kernel_id": "k", "with_runtime": "perhaps"}, "with_runtime"),
@@ -219,6 +219,10 @@ async def test_prediction_404s(jp_fetch, store):
     assert code == 404 and "no-such-kernel" in msg
     code, _ = await error_of(post(jp_fetch, "next-cell", {"trajectory_id": "nope"}))
     assert code == 404
+    code, msg = await error_of(post(jp_fetch, "next-cell", {"notebook_path": "other.ipynb"}))
+    assert code == 404 and "other.ipynb" in msg
+    r = await post(jp_fetch, "output", {"notebook_path": "work/analysis.ipynb", "source": "n_rows"})
+    assert '"text": "42\\n"' in r.body.decode()
     code, msg = await error_of(post(jp_fetch, "next-cell", {"trajectory_id": tid, "backend": "x9"}))
     assert code == 404 and "x9" in msg
 

@@ -76,6 +76,7 @@ class ThemistoExtensionApp(ExtensionApp):
         return proposal["value"]
 
     def initialize_settings(self) -> None:
+        assert self.serverapp is not None  # set by jupyter_server before this is called
         path = self.store_path or str(default_store_path())
         # Kernels inherit the server's environment: they record where the server reads.
         os.environ[STORE_ENV] = path

@@ -131,7 +131,7 @@ class PredictHandler(ThemistoHandler):
             await self._work
         except asyncio.CancelledError:
             # Superseded by a newer request of the same client, or the client went away.
-            if self.request.connection.stream.closed():
+            if self._client_gone():
                 return
             if not self._streaming:
                 raise web.HTTPError(409, "superseded by a newer request") from None
@@ -139,6 +139,10 @@ class PredictHandler(ThemistoHandler):
                 self.finish()
             except StreamClosedError:
                 pass
+
+    def _client_gone(self) -> bool:
+        stream = getattr(self.request.connection, "stream", None)
+        return stream is None or stream.closed()
 
     def on_connection_close(self) -> None:
         if self._work is not None and not self._work.done():
@@ -169,7 +173,7 @@ class PredictHandler(ThemistoHandler):
             manager.unregister(key)
 
     async def send(self, event: Event) -> None:
-        if self.request.connection.stream.closed():
+        if self._client_gone():
             raise asyncio.CancelledError()
         self.write(f"event: {event.name}\ndata: {json.dumps(event.data)}\n\n")
         # The bytes go to the socket now; not awaiting the write saves an event-loop round

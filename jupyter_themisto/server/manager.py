@@ -151,17 +151,22 @@ class ThemistoManager:
     # -- prediction --------------------------------------------------------------------------
 
     def resolve(self, req: NextCellRequest | OutputRequest) -> dict[str, Any]:
-        """The trajectory a request is about: trajectory_id, else the kernel's latest one."""
+        """The trajectory a request is about: trajectory_id, else the kernel's latest one,
+        else the notebook's latest one."""
         if req.trajectory_id:
             return self.get_trajectory(req.trajectory_id)
-        assert req.kernel_id is not None
-        t = self.store.latest_trajectory_for_kernel(req.kernel_id)
-        if t is None:
-            raise NotFound(
-                f"no trajectory recorded for kernel {req.kernel_id!r} (is recording on, and has"
-                " a cell run in it yet?)"
-            )
-        return t
+        if req.kernel_id:
+            t = self.store.latest_trajectory_for_kernel(req.kernel_id)
+            if t is None:
+                raise NotFound(
+                    f"no trajectory recorded for kernel {req.kernel_id!r} (is recording on for"
+                    " this notebook?)"
+                )
+            return t
+        found = self.store.list_trajectories(notebook_path=req.notebook_path, limit=1)
+        if not found:
+            raise NotFound(f"no trajectory recorded for notebook {req.notebook_path!r}")
+        return found[0]
 
     def context(
         self, req: NextCellRequest | OutputRequest, trajectory: dict[str, Any]
@@ -229,6 +234,7 @@ class ThemistoManager:
         ctx = self.context(req, trajectory)
         started = time.perf_counter()
         deadline = started + self.prediction_timeout
+        agen: Any  # an async generator of NextCellChunk or OutputChunk
         if isinstance(req, NextCellRequest):
             agen = backend.predict_next_cell(ctx, n=req.n)
         else:

@@ -37,8 +37,8 @@ class PredictionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _needs_an_id(self) -> PredictionRequest:
-        if not self.kernel_id and not self.trajectory_id:
-            raise ValueError("kernel_id or trajectory_id is required")
+        if not self.kernel_id and not self.trajectory_id and not self.notebook_path:
+            raise ValueError("kernel_id, trajectory_id or notebook_path is required")
         return self
 
 
