@@ -154,7 +154,9 @@ def test_matplotlib_objects_are_summarized(kernel):
 def test_size_bound_and_inline_mode(kernel):
     kernel.run("%config ThemistoRecorder.max_variable_bytes = 1_000_000")
     kernel.run("%config ThemistoRecorder.snapshot_mode = 'inline'")
-    done = kernel.run("huge = np.zeros(2_000_000)\nhuge_list = list(range(300_000))")
+    done = kernel.run(
+        "import numpy as np\nhuge = np.zeros(2_000_000)\nhuge_list = list(range(300_000))"
+    )
     # Inline: the snapshot is written in the kernel itself, right after the reply.
     row = kernel.execution(done.msg_id)
     assert row["snapshot_status"] in ("ok", "partial")
@@ -168,3 +170,29 @@ def test_size_bound_and_inline_mode(kernel):
     off = kernel.run("after_off = 1")
     assert kernel.execution(off.msg_id)["snapshot_status"] == "off"
     kernel.run("%config ThemistoRecorder.snapshot_mode = 'fork'")
+
+
+def test_child_bound_skips_then_waits_when_configured(tmp_path):
+    k = RecordingKernel(tmp_path / "bound.sqlite", ["--ThemistoRecorder.max_snapshot_children=1"])
+    try:
+        slow = k.run(
+            "import time\n"
+            "class Slow:\n"
+            "    def __reduce__(self):\n"
+            "        time.sleep(1.5)\n"
+            "        return (Slow, ())\n"
+            "s = Slow()"
+        )
+        quick = k.run("a = 1")
+        row = k.wait_snapshot(quick.msg_id)
+        assert row["snapshot_status"] == "skipped"
+        with k.store() as store:
+            assert "max_snapshot_children=1" in store.get_snapshot(row["id"])["detail"]
+        assert k.wait_snapshot(slow.msg_id)["snapshot_status"] == "ok"
+        k.run("%config ThemistoRecorder.snapshot_slot_wait = 60")
+        k.run("s2 = Slow()")
+        waited = [k.run(f"b = {i}") for i in range(2)]
+        for done in waited:
+            assert k.wait_snapshot(done.msg_id)["snapshot_status"] == "ok"
+    finally:
+        k.shutdown()

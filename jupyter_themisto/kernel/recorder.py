@@ -79,6 +79,15 @@ class ThemistoRecorder(LoggingConfigurable):
         help="Concurrent snapshot children; when reached, the snapshot of that execution is "
         "skipped (status 'skipped', detail says why).",
     ).tag(config=True)
+    snapshot_slot_wait = Float(
+        0.0,
+        help="Seconds to wait, after the reply, for a snapshot child to finish when "
+        "max_snapshot_children are running, before skipping (0: skip at once; a large value "
+        "snapshots every execution of a batch re-execution at the cost of pacing it).",
+    ).tag(config=True)
+    exit_wait_seconds = Float(
+        3.0, help="Seconds a kernel shutting down waits for running snapshot children."
+    ).tag(config=True)
     max_repr_chars = Int(200, help="Length of the short repr kept in a variable summary.").tag(
         config=True
     )
@@ -202,6 +211,7 @@ class ThemistoRecorder(LoggingConfigurable):
         # The last execution of a kernel shut down right after its reply: no fork at exit.
         self.snapshots.exiting = True
         self.flush_pending()
+        self.snapshots.wait(self.exit_wait_seconds)
 
     def _keep_last(self) -> None:
         # Outputs emitted by other post_run_cell callbacks (registered after us, e.g. by a

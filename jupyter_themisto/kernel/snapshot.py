@@ -23,9 +23,11 @@ Per variable, in this order:
    them); `changed` says whether the hash differs from the previous snapshot's.
 
 Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
-stubs or summaries), `skipped` (fork mode, `max_snapshot_children` children still running:
-this execution is not snapshotted, `detail` says so — skipping rather than queueing, because a
-queued snapshot would capture a later namespace than the execution it belongs to), `failed`
+stubs or summaries), `skipped` (fork mode, `max_snapshot_children` children still running
+after waiting `snapshot_slot_wait` seconds (default 0): this execution is not snapshotted,
+`detail` says so — skipping rather than queueing, because a queued snapshot would capture a
+later namespace than the execution it belongs to; the wait happens after the kernel's reply,
+so only a cell sent meanwhile waits for it), `failed`
 (the child crashed or ran past `max_snapshot_seconds`; `detail` says which).
 
 Fork mode (default on Linux/macOS): after the execution row is written, the kernel closes its
@@ -636,6 +638,8 @@ class SnapshotManager:
     def _fork(self, execution_id: int) -> None:
         r = self.recorder
         self.reap()
+        if len(self.children) >= max(1, r.max_snapshot_children) and r.snapshot_slot_wait > 0:
+            self.wait(r.snapshot_slot_wait, below=max(1, r.max_snapshot_children))
         if len(self.children) >= max(1, r.max_snapshot_children):
             r.store.write_snapshot(
                 execution_id,
@@ -720,6 +724,14 @@ class SnapshotManager:
         if not self.children and self._frozen:
             gc.unfreeze()
             self._frozen = False
+
+    def wait(self, seconds: float, below: int = 1) -> None:
+        """Reap until fewer than `below` children run, for at most `seconds`."""
+        deadline = time.monotonic() + seconds
+        self.reap()
+        while len(self.children) >= below and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self.reap()
 
     def _mark_failed(self, execution_id: int, detail: str) -> None:
         store = self.recorder.store
