@@ -41,6 +41,8 @@ class PredictionContext:
     notebook_path: str | None = None
     trajectory_id: str | None = None
     kernel_id: str | None = None
+    #: executions run after the one whose snapshot gave `variables` (0: the summary is current)
+    runtime_lag: int = 0
 
 
 def outputs_to_text(outputs: Sequence[dict[str, Any]], limit: int = 2000) -> str:

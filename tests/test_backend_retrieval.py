@@ -181,3 +181,11 @@ def test_no_output_prediction_when_unsure(source, reason):
     ctx.target_source = "n"
     with pytest.raises(NoPrediction, match="runtime"):
         predict_output_from_summary(ctx)
+
+
+def test_no_output_prediction_from_a_stale_snapshot():
+    ctx = PredictionContext(variables=[var("n", "int", repr="42")], target_source="n")
+    assert predict_output_from_summary(ctx) == "42\n"
+    ctx.runtime_lag = 1
+    with pytest.raises(NoPrediction, match="snapshot"):
+        predict_output_from_summary(ctx)

@@ -368,3 +368,25 @@ async def test_planted_key_never_leaks(jp_fetch, store, peer, caplog):
     for b in bodies:
         assert PLANTED_KEY not in b.decode()
     assert caplog.text and PLANTED_KEY not in caplog.text
+
+
+async def test_output_waits_for_a_pending_snapshot_and_refuses_a_stale_one(jp_fetch, store):
+    tid, _ = make_trajectory(store)
+    body = {"trajectory_id": tid, "source": "n_rows"}
+    # A later execution without a snapshot: the recorded n_rows may be out of date.
+    store.add_execution(tid, {"source": "n_rows = 7", "status": "ok", "snapshot_status": "off"})
+    events = parse_sse((await post(jp_fetch, "output", body)).body.decode())
+    assert events[1][0] == "no_prediction" and "snapshot" in events[1][1]["reason"]
+    # A pending snapshot written while the request waits is used.
+    eid = store.add_execution(
+        tid, {"source": "n_rows = 8", "status": "ok", "snapshot_status": "pending"}
+    )
+
+    async def write_later():
+        await asyncio.sleep(0.3)
+        store.write_snapshot(eid, [{"name": "n_rows", "type": "int", "summary": {"repr": "8"}}])
+
+    writer = asyncio.ensure_future(write_later())
+    events = parse_sse((await post(jp_fetch, "output", body)).body.decode())
+    await writer
+    assert events[1] == ("chunk", {"text": "8\n"})

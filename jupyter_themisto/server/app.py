@@ -53,6 +53,11 @@ class ThemistoExtensionApp(ExtensionApp):
     max_page_size = Int(
         1000, help="Most trajectories or executions returned by one list request."
     ).tag(config=True)
+    snapshot_wait = Float(
+        2.0,
+        help="Seconds an output prediction waits for the latest execution's namespace "
+        "snapshot (written just after the cell) so that it sees the current variables.",
+    ).tag(config=True)
     auto_record = Bool(
         True,
         help="Load the recorder into every Python kernel this server starts (a silent "
@@ -67,6 +72,12 @@ class ThemistoExtensionApp(ExtensionApp):
     def _positive(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
             raise ValueError(f"{proposal['trait'].name} must be > 0")
+        return proposal["value"]
+
+    @validate("snapshot_wait")
+    def _not_negative(self, proposal: Any) -> float:
+        if proposal["value"] < 0:
+            raise ValueError("snapshot_wait must be >= 0")
         return proposal["value"]
 
     @validate("token_budget", "max_output_chars", "max_page_size")
@@ -91,6 +102,7 @@ class ThemistoExtensionApp(ExtensionApp):
             token_budget=self.token_budget,
             max_output_chars=self.max_output_chars,
             max_page=self.max_page_size,
+            snapshot_wait=self.snapshot_wait,
         )
         self.auto_recorder = AutoRecorder(
             self.serverapp, log=self.log, ready_timeout=self.auto_record_timeout, store=self.store

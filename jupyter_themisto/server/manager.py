@@ -53,6 +53,7 @@ class ThemistoManager:
         token_budget: int = 3000,
         max_output_chars: int = 600,
         max_page: int = 1000,
+        snapshot_wait: float = 2.0,
     ) -> None:
         self.store = store
         self.default_backend = default_backend
@@ -63,6 +64,7 @@ class ThemistoManager:
         self.token_budget = token_budget
         self.max_output_chars = max_output_chars
         self.max_page = max_page
+        self.snapshot_wait = snapshot_wait
         self._backends: dict[str, Predictor] = {}
         self._active: dict[tuple[str, ...], asyncio.Task[Any]] = {}
         #: how many prediction streams ended by cancellation (disconnect or supersede)
@@ -182,7 +184,7 @@ class ThemistoManager:
             variables = [redact_variable(v) for v in self.store.latest_variables(tid)]
             changes = self.store.variable_changes(tid)
         cells = [c.model_dump() for c in req.cells] if req.cells else None
-        return build_context(
+        ctx = build_context(
             rows,
             variables,
             with_runtime=req.with_runtime,
@@ -195,6 +197,22 @@ class ThemistoManager:
             trajectory_id=tid,
             kernel_id=req.kernel_id or trajectory.get("kernel_id"),
         )
+        if req.with_runtime and rows:
+            snapped = [r["order_index"] for r in rows if r.get("snapshot_id") is not None]
+            # No snapshot in the tail: the summary (if any) is older than all of it.
+            ctx.runtime_lag = rows[-1]["order_index"] - snapped[-1] if snapped else len(rows)
+        return ctx
+
+    async def wait_for_snapshot(self, trajectory: dict[str, Any]) -> None:
+        """Give the latest execution's snapshot (written by a child process just after the
+        cell) up to `snapshot_wait` seconds, so that a prediction sees the current state."""
+        n = trajectory.get("n_executions") or 0
+        deadline = time.monotonic() + self.snapshot_wait
+        while n and time.monotonic() < deadline:
+            last = self.store.list_executions(trajectory["id"], offset=n - 1, limit=1)
+            if not last or last[0].get("snapshot_status") != "pending":
+                return
+            await asyncio.sleep(0.05)
 
     def _supersede_key(self, req: NextCellRequest | OutputRequest, task: str) -> tuple[str, ...]:
         target = req.kernel_id or req.notebook_path or req.trajectory_id or ""
@@ -231,6 +249,8 @@ class ThemistoManager:
         backend = self.backend(name)
         if task not in backend.tasks:
             raise NotFound(f"the {name} backend does not serve {task} predictions")
+        if req.with_runtime and task == "output":
+            await self.wait_for_snapshot(trajectory)
         ctx = self.context(req, trajectory)
         started = time.perf_counter()
         deadline = started + self.prediction_timeout
