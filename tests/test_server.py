@@ -323,6 +323,7 @@ ROUTES = [
     ("GET", ("themisto", "trajectories", "x")),
     ("GET", ("themisto", "trajectories", "x", "executions")),
     ("GET", ("themisto", "executions", "1", "variables")),
+    ("GET", ("themisto", "executions", "1", "variables", "x", "blob")),
     ("GET", ("themisto", "backends")),
     ("POST", ("themisto", "predict", "next-cell")),
     ("POST", ("themisto", "predict", "output")),
@@ -390,3 +391,37 @@ async def test_output_waits_for_a_pending_snapshot_and_refuses_a_stale_one(jp_fe
     events = parse_sse((await post(jp_fetch, "output", body)).body.decode())
     await writer
     assert events[1] == ("chunk", {"text": "8\n"})
+
+
+async def test_variable_blob_only_on_explicit_request(jp_fetch, store):
+    import pickle
+
+    tid = store.create_trajectory()
+    eid = store.add_execution(tid, {"source": "xs = [1, 2]", "status": "ok"})
+    digest = store.put_blob(pickle.dumps([1, 2], protocol=5))
+    secret = store.put_blob(pickle.dumps("hunter2-secret"))
+    store.write_snapshot(
+        eid,
+        [
+            {"name": "xs", "type": "list", "summary": {"repr": "[1, 2]"}, "blob_hash": digest},
+            {"name": "db_password", "type": "str", "summary": {}, "blob_hash": secret},
+            {"name": "fh", "type": "_io.TextIOWrapper", "stub_reason": "open file"},
+        ],
+    )
+    listing = (await jp_fetch("themisto", "executions", str(eid), "variables")).body.decode()
+    assert digest not in listing and "blob_hash" not in listing
+    r = await jp_fetch("themisto", "executions", str(eid), "variables", "xs", "blob")
+    assert pickle.loads(r.body) == [1, 2]
+    assert r.headers["Content-Type"] == "application/octet-stream"
+    code, msg = await error_of(
+        jp_fetch("themisto", "executions", str(eid), "variables", "db_password", "blob")
+    )
+    assert code == 404 and "redacted" in msg
+    code, msg = await error_of(
+        jp_fetch("themisto", "executions", str(eid), "variables", "fh", "blob")
+    )
+    assert code == 404 and "open file" in msg
+    code, _ = await error_of(
+        jp_fetch("themisto", "executions", str(eid), "variables", "zz", "blob")
+    )
+    assert code == 404

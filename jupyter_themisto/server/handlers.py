@@ -93,6 +93,27 @@ class VariablesHandler(ThemistoHandler):
             raise web.HTTPError(404, str(e)) from None
 
 
+class VariableBlobHandler(ThemistoHandler):
+    """A variable's serialized value: only on this explicit request, never in a listing."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, execution_id: str, name: str) -> None:
+        try:
+            eid = int(execution_id)
+        except ValueError:
+            raise web.HTTPError(
+                400, f"execution id: must be an integer, got {execution_id!r}"
+            ) from None
+        try:
+            data, codec = self.manager.variable_blob(eid, name)
+        except NotFound as e:
+            raise web.HTTPError(404, str(e)) from None
+        self.set_header("X-Themisto-Codec", codec)
+        self.set_header("Content-Disposition", f'attachment; filename="{name}.pickle"')
+        self.finish(data, set_content_type="application/octet-stream")
+
+
 class BackendsHandler(ThemistoHandler):
     @web.authenticated
     @authorized
@@ -136,7 +157,7 @@ class PredictHandler(ThemistoHandler):
             if not self._streaming:
                 raise web.HTTPError(409, "superseded by a newer request") from None
             try:
-                self.finish()
+                self.finish(set_content_type="text/event-stream; charset=utf-8")
             except StreamClosedError:
                 pass
 
@@ -168,7 +189,7 @@ class PredictHandler(ThemistoHandler):
                     await self.send(event)
             finally:
                 await events.aclose()  # type: ignore[attr-defined]
-            self.finish()
+            self.finish(set_content_type="text/event-stream; charset=utf-8")
         finally:
             manager.unregister(key)
 
@@ -203,6 +224,7 @@ default_handlers = [
     (rf"/themisto/trajectories/{_ID}", TrajectoryHandler),
     (rf"/themisto/trajectories/{_ID}/executions", ExecutionsHandler),
     (rf"/themisto/executions/{_ID}/variables", VariablesHandler),
+    (rf"/themisto/executions/{_ID}/variables/{_ID}/blob", VariableBlobHandler),
     (r"/themisto/backends", BackendsHandler),
     (r"/themisto/predict/next-cell", NextCellHandler),
     (r"/themisto/predict/output", OutputHandler),

@@ -112,6 +112,24 @@ class ThemistoManager:
             )
         return out
 
+    def variable_blob(self, execution_id: int, name: str) -> tuple[bytes, str]:
+        """A variable's serialized value (pickle/dill bytes) and its codec, on explicit request.
+
+        Secret-named variables have none, whatever an older store may hold.
+        """
+        if self.store.get_execution(execution_id) is None:
+            raise NotFound(f"no execution {execution_id}")
+        for v in self.store.get_variables(execution_id):
+            if v["name"] != name:
+                continue
+            v = redact_variable(v)
+            if not v.get("blob_hash"):
+                reason = v.get("stub_reason") or "not serialized"
+                raise NotFound(f"variable {name!r} has no stored value ({reason})")
+            codec = str((v.get("summary") or {}).get("codec") or "pickle")
+            return self.store.get_blob(v["blob_hash"]), codec
+        raise NotFound(f"no variable {name!r} in the snapshot of execution {execution_id}")
+
     # -- backends ----------------------------------------------------------------------------
 
     def backend(self, name: str | None) -> Predictor:
