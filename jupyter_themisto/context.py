@@ -212,8 +212,10 @@ def build_context(
     cells.reverse()
 
     notes: list[ContextCell] = []
+    # Nothing run yet (a fresh kernel): the notebook's code cells are the best context there is.
+    kinds = ("markdown",) if rows else ("markdown", "code")
     for c in reversed(list(notebook_cells or [])):
-        if c.get("cell_type") != "markdown":
+        if c.get("cell_type") not in kinds:
             continue
         text = c.get("source") or ""
         text = "".join(text) if isinstance(text, list) else str(text)
@@ -223,7 +225,12 @@ def build_context(
         cost = estimate_tokens(text) + 2
         if budget is not None and cost > budget:
             break
-        notes.append(ContextCell(source=text, cell_type="markdown"))
+        kind = str(c.get("cell_type"))
+        notes.append(
+            ContextCell(
+                source=text, cell_type=kind, status="ok" if kind == "markdown" else "not run"
+            )
+        )
         if budget is not None:
             budget -= cost
     notes.reverse()

@@ -120,3 +120,16 @@ def test_truncate_text():
     cut = truncate_text("a" * 100 + "b" * 100, 30)
     assert cut.startswith("a" * 20) and cut.endswith("b" * 10) and "cut" in cut
     assert truncate_text("abc", 0) == ""
+
+
+def test_notebook_code_cells_stand_in_when_nothing_ran_yet():
+    nb = [
+        {"cell_type": "markdown", "source": "# Intro"},
+        {"cell_type": "code", "source": "import pandas as pd"},
+    ]
+    ctx = build_context([], notebook_cells=nb)
+    assert [(c.cell_type, c.status) for c in ctx.cells] == [("markdown", "ok"), ("code", "not run")]
+    assert "# In[ ]: (not run)\nimport pandas as pd" in render_context(ctx)
+    # Once cells ran, the recorded executions are the code context.
+    ran = build_context([{"source": "x = 1"}], notebook_cells=nb)
+    assert [c.source for c in ran.cells] == ["# Intro", "x = 1"]
