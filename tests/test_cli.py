@@ -1,0 +1,495 @@
+"""`jupyter themisto` end to end, as a real subprocess: record notebooks written here with real
+kernels, list/show them, export dumps and reload them with pandas and Hugging Face datasets
+field by field, evaluate baselines, the retrieval backend and the loopback OpenAI-compatible
+server (concurrency, resume after a SIGKILL), and every kind of bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from jupyter_themisto import metrics as M
+from jupyter_themisto.cli.export import EXECUTION_FIELDS, TASK_FIELDS
+from jupyter_themisto.context import outputs_to_text
+from jupyter_themisto.store import TrajectoryStore
+from tests.peers import OpenAIPeer
+
+PNG = base64.b64encode(os.urandom(3000)).decode()
+ANALYSIS = [
+    "import json\nAPI_TOKEN = 'tok-abcdef123456'\ndata = [3, 1, 2]",
+    "print(sorted(data))",
+    "total = sum(data)\ntotal",
+    "len(data)",
+    "data.append(10)\ndata",
+    "from IPython.display import display\n"
+    f"display({{'image/png': '{PNG}', 'text/plain': '<image>'}}, raw=True)",
+    "1 / 0",
+    "for i in range(3):\n    print(i)",
+    "total * 2",
+    "x = 5",
+    "x + total",
+    "len(data)",
+]
+SECOND = ["word = 'hello'", "word.upper()", "print(len(word))", "x = 5"]
+
+
+def cli(*args: str, store: Path | None = None, timeout: float = 300, **kw):
+    cmd = [sys.executable, "-m", "jupyter_themisto.cli"]
+    if store is not None:
+        cmd += ["--store", str(store)]
+    env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
+    return subprocess.run(
+        cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, **kw
+    )
+
+
+def write_notebook(path: Path, sources: list[str]) -> Path:
+    cells = [new_markdown_cell("# A notebook")] + [new_code_cell(s) for s in sources]
+    nbformat.write(new_notebook(cells=cells), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Two notebooks recorded into one store (one kernel each)."""
+    root = tmp_path_factory.mktemp("recorded")
+    store = root / "store.sqlite"
+    a = write_notebook(root / "analysis.ipynb", ANALYSIS)
+    b = write_notebook(root / "second.ipynb", SECOND)
+    r = cli("record", str(a), str(b), "--allow-errors", "--timeout", "120", store=store)
+    assert r.returncode == 0, r.stderr
+    return {"root": root, "store": store, "analysis": a, "second": b, "stdout": r.stdout}
+
+
+@pytest.fixture(scope="module")
+def dump(recorded):
+    out = recorded["root"] / "dump-jsonl"
+    r = cli("export", "--out", str(out), "--snapshots", "full", store=recorded["store"])
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _store(recorded) -> TrajectoryStore:
+    return TrajectoryStore(recorded["store"], readonly=True)
+
+
+def _by_notebook(store: TrajectoryStore) -> dict[str, dict]:
+    return {Path(t["notebook_path"]).name: t for t in store.list_trajectories()}
+
+
+def test_help_of_every_subcommand():
+    jupyter = Path(sys.executable).parent / "jupyter"
+    r = subprocess.run([str(jupyter), "themisto", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "record" in r.stdout and "evaluate" in r.stdout
+    for sub, flag in [
+        ("record", "--allow-errors"),
+        ("export", "--snapshots"),
+        ("evaluate", "--concurrency"),
+        ("list", "--limit"),
+        ("show", "ID"),
+    ]:
+        r = cli(sub, "--help")
+        assert r.returncode == 0 and flag in r.stdout, (sub, r.stdout)
+
+
+def test_record_list_show(recorded):
+    store = _store(recorded)
+    trajs = _by_notebook(store)
+    assert set(trajs) == {"analysis.ipynb", "second.ipynb"}
+    assert trajs["analysis.ipynb"]["notebook_path"] == str(recorded["analysis"].resolve())
+    rows = store.list_executions(trajs["analysis.ipynb"]["id"])
+    nb = nbformat.read(str(recorded["analysis"]), as_version=4)
+    code_ids = [c.id for c in nb.cells if c.cell_type == "code"]
+    # Every code cell once, in order, with the notebook's cell ids; loading the recorder and
+    # the CLI's own silent queries are not recorded.
+    assert [r["source"] for r in rows][1:] == ANALYSIS[1:]
+    assert [r["cell_id"] for r in rows] == code_ids
+    assert [r["status"] for r in rows][6] == "error"
+    assert rows[1]["outputs"][0]["text"] == "[1, 2, 3]\n"
+    # The notebook file itself is untouched (no outputs written into it).
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+
+    r = cli("list", store=recorded["store"])
+    assert r.returncode == 0
+    assert "analysis.ipynb" in r.stdout and "second.ipynb" in r.stdout
+    tid = trajs["second.ipynb"]["id"]
+    r = cli("show", tid[:10], store=recorded["store"])
+    assert r.returncode == 0, r.stderr
+    assert tid in r.stdout and "word.upper()" in r.stdout and "HELLO" in r.stdout
+    r = cli("show", tid, "--json", store=recorded["store"])
+    shown = json.loads(r.stdout)
+    assert [e["source"] for e in shown["executions"]] == SECOND
+
+
+def test_record_stops_at_an_error_without_allow_errors(tmp_path):
+    nb = write_notebook(tmp_path / "bad.ipynb", ["a = 1", "raise ValueError('boom')", "b = 2"])
+    r = cli("record", str(nb), store=tmp_path / "s.sqlite")
+    assert r.returncode == 1
+    assert "ValueError" in r.stderr and "cell 2" in r.stderr
+    store = TrajectoryStore(tmp_path / "s.sqlite", readonly=True)
+    (t,) = store.list_trajectories()
+    assert [e["source"] for e in store.list_executions(t["id"])] == [
+        "a = 1",
+        "raise ValueError('boom')",
+    ]
+
+
+def test_export_jsonl_field_by_field(recorded, dump):
+    store = _store(recorded)
+    df = pd.read_json(dump / "executions.jsonl", lines=True, dtype=False)
+    assert list(df.columns) == [name for name, *_ in EXECUTION_FIELDS]
+    assert len(df) == store.count_executions() == len(ANALYSIS) + len(SECOND)
+    for row in df.to_dict("records"):
+        e = store.get_execution(int(row["execution_id"]))
+        t = store.get_trajectory(e["trajectory_id"])
+        assert row["trajectory_id"] == e["trajectory_id"]
+        assert row["notebook_path"] == t["notebook_path"]
+        for key in ("order_index", "cell_id", "msg_id", "execution_count", "status"):
+            assert row[key] == e[key], key
+        for key in ("started_at", "wall_time", "cpu_time"):
+            assert row[key] == pytest.approx(e[key]), key
+        for key in ("memory_before", "memory_after", "memory_peak"):
+            assert row[key] == e[key], key
+        assert row["snapshot_status"] == e["snapshot_status"]
+        assert json.loads(row["outputs"]) == e["outputs"]
+        assert row["output_text"] == outputs_to_text(e["outputs"], limit=10**9)
+        variables = {v["name"]: v for v in store.get_variables(e["id"])}
+        assert [v["name"] for v in row["variables"]] == sorted(variables)
+        for v in row["variables"]:
+            orig = variables[v["name"]]
+            assert v["type"] == orig["type"]
+            if v["name"] == "API_TOKEN":
+                assert json.loads(v["summary"]) == {"redacted": True}
+                assert v["blob_hash"] is None and v["size"] is None
+            else:
+                assert json.loads(v["summary"]) == orig["summary"]
+                assert v["blob_hash"] == orig["blob_hash"]
+                if v["blob_hash"]:
+                    blob = (dump / "blobs" / v["blob_hash"]).read_bytes()
+                    assert blob == store.get_blob(v["blob_hash"])
+        if row["order_index"] == 0 and row["notebook_path"].endswith("analysis.ipynb"):
+            # The secrets policy again on export: the literal is gone, the rest is kept.
+            assert row["source"] == ANALYSIS[0].replace("tok-abcdef123456", "<redacted>")
+            assert "tok-abcdef" not in (dump / "executions.jsonl").read_text()
+        else:
+            assert row["source"] == e["source"]
+    # The image went to the blob store and is exported under blobs/ with --snapshots full.
+    image = df[df["output_blobs"].map(len) > 0]
+    assert len(image) == 1
+    (digest,) = image.iloc[0]["output_blobs"]
+    assert base64.b64encode((dump / "blobs" / digest).read_bytes()).decode() == PNG
+
+    # Task instances in the Themisto framing.
+    nxt = pd.read_json(dump / "next_cell.jsonl", lines=True, dtype=False)
+    out = pd.read_json(dump / "output.jsonl", lines=True, dtype=False)
+    assert list(nxt.columns) == [name for name, *_ in TASK_FIELDS]
+    assert len(nxt) == (len(ANALYSIS) - 1) + (len(SECOND) - 1)
+    by_key = {(r["trajectory_id"], r["order_index"]): r for r in df.to_dict("records")}
+    for inst in nxt.to_dict("records"):
+        assert inst["target"] == by_key[(inst["trajectory_id"], inst["order_index"])]["source"]
+        assert inst["n_context"] == inst["order_index"] >= 1
+    with_output = [r for r in df.to_dict("records") if r["output_text"].strip()]
+    assert len(out) == len(with_output)
+    for inst in out.to_dict("records"):
+        row = by_key[(inst["trajectory_id"], inst["order_index"])]
+        assert inst["source"] == row["source"] and inst["target"] == row["output_text"]
+    assert "ZeroDivisionError: division by zero\n" in set(out["target"])
+
+    card = (dump / "README.md").read_text()
+    schema = json.loads((dump / "schema.json").read_text())
+    for name, *_ in EXECUTION_FIELDS:
+        assert f"`{name}`" in card
+        assert name in schema["tables"]["executions"]["properties"]
+    manifest = json.loads((dump / "dump.json").read_text())
+    assert manifest["counts"]["executions"] == len(df)
+    assert not [p for p in dump.parent.iterdir() if p.name.startswith(".dump-jsonl")]
+
+
+def test_export_parquet_shards_and_hf_datasets(recorded, dump, tmp_path):
+    out = tmp_path / "dump-parquet"
+    r = cli(
+        "export",
+        "--out",
+        str(out),
+        "--format",
+        "parquet",
+        "--shard-rows",
+        "5",
+        store=recorded["store"],
+    )
+    assert r.returncode == 0, r.stderr
+    shards = sorted(out.glob("executions-*.parquet"))
+    assert len(shards) == 4  # 16 executions, 5 per shard
+    pq_df = pd.concat([pd.read_parquet(p) for p in shards], ignore_index=True)
+    js_df = pd.read_json(dump / "executions.jsonl", lines=True, dtype=False)
+    assert list(pq_df.columns) == list(js_df.columns)
+    for a, b in zip(pq_df.to_dict("records"), js_df.to_dict("records"), strict=True):
+        for key in ("trajectory_id", "order_index", "cell_id", "source", "outputs", "status"):
+            assert a[key] == b[key]
+        assert [v["name"] for v in a["variables"]] == [v["name"] for v in b["variables"]]
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    cache = str(tmp_path / "hf-cache")
+    ds = datasets.load_dataset(
+        "parquet", data_files={"test": str(out / "executions-*.parquet")}, cache_dir=cache
+    )["test"]
+    assert ds.num_rows == len(js_df) and ds[0]["source"] == pq_df.iloc[0]["source"]
+    ds = datasets.load_dataset(
+        "json", data_files={"test": str(dump / "next_cell.jsonl")}, cache_dir=cache
+    )["test"]
+    assert ds.num_rows == len(pd.read_json(dump / "next_cell.jsonl", lines=True))
+
+
+def test_evaluate_retrieval_and_baselines(dump, tmp_path):
+    out = tmp_path / "eval"
+    for extra in ("--with-runtime", "--without-runtime"):
+        r = cli(
+            "evaluate",
+            str(dump),
+            "--backend",
+            "retrieval",
+            "--task",
+            "output",
+            extra,
+            "--out",
+            str(out),
+        )
+        assert r.returncode == 0, r.stderr
+    r = cli(
+        "evaluate",
+        str(dump),
+        "--backend",
+        "repeat-previous",
+        "--task",
+        "next-cell",
+        "--out",
+        str(out),
+        "--limit",
+        "5",
+    )
+    assert r.returncode == 0, r.stderr
+    r = cli(
+        "evaluate", str(dump), "--backend", "ret-context", "--task", "next-cell", "--out", str(out)
+    )
+    assert r.returncode == 0, r.stderr
+
+    n_output = len(pd.read_json(dump / "output.jsonl", lines=True))
+    with_rt = [json.loads(x) for x in (out / "output__retrieval__with-runtime.jsonl").open()]
+    without = [json.loads(x) for x in (out / "output__retrieval__without-runtime.jsonl").open()]
+    assert len(with_rt) == len(without) == n_output
+    # `len(data)` right after data = [3, 1, 2]: the runtime summary answers it exactly.
+    first_len = next(r for r in with_rt if r["reference"] == "3\n")
+    assert first_len["prediction"].strip() == "3" and first_len["scores"]["exact_match"] == 1.0
+    assert all(r["prediction"] == "" and "no_prediction" in r for r in without)
+    for r in with_rt:  # stored scores are the metrics of the stored texts
+        assert r["scores"] == pytest.approx(M.score(r["prediction"], r["reference"], "output"))
+
+    summary = json.loads((out / "summary.json").read_text())
+    runs = summary["runs"]
+    assert set(runs) == {
+        "output__retrieval__with-runtime",
+        "output__retrieval__without-runtime",
+        "next-cell__repeat-previous__with-runtime",
+        "next-cell__ret-context__with-runtime",
+    }
+    em = sum(r["scores"]["exact_match"] for r in with_rt) / n_output
+    assert runs["output__retrieval__with-runtime"]["metrics"]["exact_match"] == pytest.approx(em)
+    assert runs["output__retrieval__without-runtime"]["metrics"]["exact_match"] == 0.0
+    assert runs["next-cell__repeat-previous__with-runtime"]["n"] == 5
+    assert "api_recall" in runs["next-cell__ret-context__with-runtime"]["metrics"]
+    table = (out / "results.md").read_text().splitlines()
+    assert table[0].startswith("| task | backend | runtime |") and len(table) == 2 + 4
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluate_ret_train_learns_from_a_train_dump(recorded, tmp_path):
+    store = _store(recorded)
+    trajs = _by_notebook(store)
+    test_dump, train_dump = tmp_path / "test", tmp_path / "train"
+    for out, nb in ((test_dump, "second.ipynb"), (train_dump, "analysis.ipynb")):
+        r = cli(
+            "export", "--out", str(out), "--trajectory", trajs[nb]["id"], store=recorded["store"]
+        )
+        assert r.returncode == 0, r.stderr
+    r = cli(
+        "evaluate",
+        str(test_dump),
+        "--backend",
+        "ret-train",
+        "--task",
+        "next-cell",
+        "--train",
+        str(train_dump),
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [
+        json.loads(x)
+        for x in (test_dump / "evaluation" / "next-cell__ret-train__with-runtime.jsonl").open()
+    ]
+    # "print(len(word))" resembles analysis' "print(sorted(data))"-like cells; every prediction
+    # is a cell of the *training* notebook.
+    predicted = {r["prediction"] for r in rows if r["prediction"]}
+    assert predicted and predicted <= set(ANALYSIS)
+
+
+def _slow_peer(delay: float, state: dict):
+    lock = threading.Lock()
+
+    def reply(body):
+        with lock:
+            state["active"] += 1
+            state["max"] = max(state["max"], state["active"])
+        time.sleep(state.get("delay", delay))
+        with lock:
+            state["active"] -= 1
+        return "print(total)"
+
+    return OpenAIPeer(reply=reply)
+
+
+def test_evaluate_openai_peer_with_concurrency(dump, tmp_path):
+    state = {"active": 0, "max": 0}
+    with _slow_peer(0.3, state) as peer:
+        r = cli(
+            "evaluate",
+            str(dump),
+            "--backend",
+            "openai",
+            "--task",
+            "next-cell",
+            "--concurrency",
+            "4",
+            "--out",
+            str(tmp_path / "e"),
+            "-o",
+            f"base_url={peer.url}",
+            "-o",
+            "api_key=sk-test-000000",
+            "-o",
+            "model=m",
+        )
+        assert r.returncode == 0, r.stderr
+        n = len(pd.read_json(dump / "next_cell.jsonl", lines=True))
+        assert len(peer.requests) == n
+    assert state["max"] > 1  # requests overlapped
+    rows = [
+        json.loads(x) for x in (tmp_path / "e" / "next-cell__openai__with-runtime.jsonl").open()
+    ]
+    assert len(rows) == n and all(r["prediction"] == "print(total)" for r in rows)
+    hit = [r for r in rows if r["reference"] == "print(total)"]
+    assert all(r["scores"]["exact_match"] == 1.0 for r in hit)
+    # The prompt carried the trajectory and the runtime summary.
+    bodies = [json.dumps(q.body) for q in peer.requests]
+    assert any("sorted(data)" in b and "Live variables" in b for b in bodies)
+
+
+def test_evaluate_resumes_after_sigkill(dump, tmp_path):
+    out = tmp_path / "e"
+    results = out / "next-cell__openai__with-runtime.jsonl"
+    n = len(pd.read_json(dump / "next_cell.jsonl", lines=True))
+    state = {"active": 0, "max": 0, "delay": 0.5}
+    with _slow_peer(0.5, state) as peer:
+        args = [
+            "evaluate",
+            str(dump),
+            "--backend",
+            "openai",
+            "--task",
+            "next-cell",
+            "--out",
+            str(out),
+            "-o",
+            f"base_url={peer.url}",
+            "-o",
+            "api_key=sk-test-000000",
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_themisto.cli", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if results.exists() and len(results.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.05)
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait(timeout=30)
+        done_before = len(results.read_text().splitlines())
+        assert 3 <= done_before < n
+        assert not (out / "summary.json").exists()  # reports are written only at the end
+        before = len(peer.requests)
+        state["delay"] = 0.0
+        r = cli(*args)
+        assert r.returncode == 0, r.stderr
+        assert f"{done_before} of {n} done" in r.stdout
+        # Only the examples left were asked again (one may have been in flight at the kill).
+        assert len(peer.requests) - before == n - done_before
+    ids = [json.loads(x)["id"] for x in results.open()]
+    assert len(ids) == len(set(ids)) == n
+    assert json.loads((out / "summary.json").read_text())["runs"][results.stem]["n"] == n
+
+
+def _one_line_error(r):
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jupyter-themisto: error:"), r.stderr
+    return lines[0]
+
+
+def test_bad_inputs(recorded, dump, tmp_path):
+    store = recorded["store"]
+    missing = tmp_path / "missing.ipynb"
+    assert "no such notebook" in _one_line_error(cli("record", str(missing), store=store))
+    text = tmp_path / "text.ipynb"
+    text.write_text("hello, not json")
+    assert "not a Jupyter notebook" in _one_line_error(cli("record", str(text), store=store))
+    out = tmp_path / "out"
+    msg = _one_line_error(cli("export", "--out", str(out), "--format", "csv", store=store))
+    assert "unknown format" in msg
+    msg = _one_line_error(cli("export", "--out", str(out), "--snapshots", "all", store=store))
+    assert "--snapshots" in msg
+    msg = _one_line_error(cli("export", "--out", str(out), "--trajectory", "nope", store=store))
+    assert "unknown trajectory" in msg
+    assert "unknown trajectory" in _one_line_error(cli("show", "nope", store=store))
+    empty = tmp_path / "empty.sqlite"
+    TrajectoryStore(empty).close()
+    assert "nothing to export" in _one_line_error(cli("export", "--out", str(out), store=empty))
+    msg = _one_line_error(cli("list", store=tmp_path / "absent.sqlite"))
+    assert "no trajectory store" in msg
+    assert not (tmp_path / "absent.sqlite").exists()
+    assert not out.exists()
+    # An existing non-empty folder is never overwritten without --force.
+    msg = _one_line_error(cli("export", "--out", str(dump), store=store))
+    assert "--force" in msg
+    msg = _one_line_error(
+        cli("evaluate", str(dump), "--backend", "no-such-backend", "--task", "next-cell")
+    )
+    assert "unknown backend" in msg
+    msg = _one_line_error(cli("evaluate", str(dump), "--backend", "retrieval", "--task", "x"))
+    assert "unknown task" in msg
+    msg = _one_line_error(
+        cli("evaluate", str(tmp_path), "--backend", "retrieval", "--task", "output")
+    )
+    assert "not a dump" in msg
+    assert not (tmp_path / "evaluation").exists()
+    r = cli("record", "--help-me")  # argparse's own usage error: non-zero, on stderr
+    assert r.returncode == 2 and "usage" in r.stderr
