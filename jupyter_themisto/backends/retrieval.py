@@ -147,10 +147,13 @@ class RetrievalPredictor(Predictor):
         retriever.index(docs, show_progress=False)
         return _Index(retriever, candidates, origins)
 
+    def _key(self) -> int:
+        store = self.env.store
+        return store.count_executions() if (self.history and store is not None) else 0
+
     def index(self) -> _Index:
         """The index, rebuilt when the store has new executions (cheap check: a count)."""
-        store = self.env.store
-        key = store.count_executions() if (self.history and store is not None) else 0
+        key = self._key()
         with self._lock:
             if self._index is None or key != self._index_key:
                 self._index = self._build()
@@ -198,8 +201,8 @@ class RetrievalPredictor(Predictor):
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
-        if self._index is None:
-            # The first build reads the whole store: keep the server's event loop free.
+        if self._index is None or self._index_key != self._key():
+            # A (re)build reads the whole history: keep the server's event loop free.
             await asyncio.to_thread(self.index)
         for i, (text, score) in enumerate(self.rank(ctx, max(1, n))):
             yield NextCellChunk(index=i, text=text, done=True, score=round(score, 4))
