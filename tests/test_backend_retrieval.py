@@ -189,3 +189,16 @@ def test_no_output_prediction_from_a_stale_snapshot():
     ctx.runtime_lag = 1
     with pytest.raises(NoPrediction, match="snapshot"):
         predict_output_from_summary(ctx)
+
+
+async def test_large_index_refreshes_in_the_background(store):
+    record(store, ["import os", "os.getcwd()"])
+    # Every build counts as slow: refreshes happen in the background.
+    backend = RetrievalPredictor({"sync_rebuild_seconds": -1}, BackendEnv(store=store))
+    ctx = build_context([{"source": "import os"}])
+    assert await suggestions(backend, ctx, n=5) == ["os.getcwd()"]
+    record(store, ["import os", "os.listdir('.')"])
+    # Answered at once from the index it has, while the new one is built.
+    assert await suggestions(backend, ctx, n=5) == ["os.getcwd()"]
+    await backend._refresh
+    assert sorted(await suggestions(backend, ctx, n=5)) == ["os.getcwd()", "os.listdir('.')"]

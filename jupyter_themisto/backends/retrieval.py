@@ -13,6 +13,7 @@ import json
 import keyword
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,9 @@ def notebook_code_cells(path: Path) -> list[str]:
 class RetrievalPredictor(Predictor):
     """Settings: corpus_dir (a folder of .ipynb files, searched recursively), history (use the
     store's trajectories, default true), max_trajectories (newest first, default 500),
-    context_cells (cells before a candidate that describe where it fits, default 2)."""
+    context_cells (cells before a candidate that describe where it fits, default 2),
+    sync_rebuild_seconds (an index that took longer than this to build is refreshed in the
+    background after new executions, default 0.02)."""
 
     name = "retrieval"
     description = "Embedded default: BM25 over your own recorded history and a notebook corpus"
@@ -93,7 +96,11 @@ class RetrievalPredictor(Predictor):
         self._index: _Index | None = None
         self._index_key: Any = None
         self._lock = threading.Lock()
-        self._corpus: list[list[str]] | None = None
+        self._corpus: list[tuple[str, list[tuple[list[str], str]]]] | None = None
+        self._history_docs: dict[str, tuple[int, list[tuple[list[str], str]]]] = {}
+        self._build_seconds = 0.0
+        self._refresh: asyncio.Future[Any] | None = None
+        self.sync_rebuild_seconds = float(c.get("sync_rebuild_seconds", 0.02))
 
     async def health(self) -> dict[str, Any]:
         if self.corpus_dir is not None and not self.corpus_dir.is_dir():
@@ -103,18 +110,42 @@ class RetrievalPredictor(Predictor):
 
     # -- the index ---------------------------------------------------------------------------
 
-    def _sequences(self) -> Iterable[tuple[str, list[str]]]:
+    def _documents(self, cells: list[str]) -> list[tuple[list[str], str]]:
+        """(tokens, candidate) for each cell of one sequence.
+
+        A document describes where a candidate fits (the cells run before it, "c:" terms) and
+        which names it uses ("v:" terms, matched against live variable names); the candidate's
+        own code is not matched against the query, or the cell just run would always find
+        itself.
+        """
+        out = []
+        for i, cell in enumerate(cells):
+            tokens = self._context_tokens(cells[max(0, i - self.context_cells) : i])
+            tokens += ["v:" + t for t in set(_IDENT.findall(cell))]
+            if tokens:
+                out.append((tokens, cell))
+        return out
+
+    def _sequences(self) -> Iterable[tuple[str, list[tuple[list[str], str]]]]:
         store = self.env.store
         if self.history and store is not None:
+            # Documents of a trajectory are kept while its length is unchanged: a new
+            # execution re-reads only its own trajectory.
+            fresh: dict[str, tuple[int, list[tuple[list[str], str]]]] = {}
             for t in store.list_trajectories(limit=self.max_trajectories):
-                rows = store.list_executions(t["id"])
-                yield f"trajectory {t['id']}", [r["source"] for r in rows if r["source"].strip()]
+                cached = self._history_docs.get(t["id"])
+                if cached is None or cached[0] != t["n_executions"]:
+                    rows = store.list_executions(t["id"])
+                    sources = [r["source"] for r in rows if r["source"].strip()]
+                    cached = (t["n_executions"], self._documents(sources))
+                fresh[t["id"]] = cached
+                yield f"trajectory {t['id']}", cached[1]
+            self._history_docs = fresh
         if self.corpus_dir is not None:
             if self._corpus is None:
                 files = sorted(self.corpus_dir.rglob("*.ipynb")) if self.corpus_dir.is_dir() else []
-                self._corpus = [notebook_code_cells(p) for p in files]
-                self._corpus_names = [str(p) for p in files]
-            yield from zip(self._corpus_names, self._corpus, strict=True)
+                self._corpus = [(str(p), self._documents(notebook_code_cells(p))) for p in files]
+            yield from self._corpus
 
     def _context_tokens(self, before: list[str]) -> list[str]:
         # The closest cell counts double: what was just run says most about what comes next.
@@ -125,19 +156,11 @@ class RetrievalPredictor(Predictor):
         return out
 
     def _build(self) -> _Index:
-        # A document describes where a candidate fits (the cells run before it, "c:" terms)
-        # and which names it uses ("v:" terms, matched against live variable names); the
-        # candidate's own code is not matched against the query, or the cell just run would
-        # always find itself.
         docs: list[list[str]] = []
         candidates: list[str] = []
         origins: list[str] = []
-        for origin, cells in self._sequences():
-            for i, cell in enumerate(cells):
-                tokens = self._context_tokens(cells[max(0, i - self.context_cells) : i])
-                tokens += ["v:" + t for t in set(_IDENT.findall(cell))]
-                if not tokens:
-                    continue
+        for origin, documents in self._sequences():
+            for tokens, cell in documents:
                 docs.append(tokens)
                 candidates.append(cell)
                 origins.append(origin)
@@ -156,15 +179,32 @@ class RetrievalPredictor(Predictor):
         key = self._key()
         with self._lock:
             if self._index is None or key != self._index_key:
+                t0 = time.perf_counter()
                 self._index = self._build()
                 self._index_key = key
+                self._build_seconds = time.perf_counter() - t0
             return self._index
+
+    async def _fresh_index(self) -> _Index:
+        """The index for a request. A small history is re-indexed before answering; a large
+        one answers from the index it has while a rebuild runs in the background: the newest
+        executions matter as the query (taken from the request), hardly as documents."""
+        key = await asyncio.to_thread(self._key) if self._index is None else self._key()
+        if self._index is None or (
+            key != self._index_key and self._build_seconds <= self.sync_rebuild_seconds
+        ):
+            return await asyncio.to_thread(self.index)
+        if key != self._index_key and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.ensure_future(asyncio.to_thread(self.index))
+        return self._index
 
     # -- next cell ---------------------------------------------------------------------------
 
-    def rank(self, ctx: PredictionContext, n: int) -> list[tuple[str, float]]:
+    def rank(
+        self, ctx: PredictionContext, n: int, idx: _Index | None = None
+    ) -> list[tuple[str, float]]:
         """Up to `n` distinct candidate cells with their BM25 scores, best first."""
-        idx = self.index()
+        idx = idx or self.index()
         if idx.retriever is None:
             raise NoPrediction("no recorded history or corpus to draw suggestions from yet")
         code = [c.source for c in ctx.cells if c.cell_type == "code"]
@@ -201,10 +241,8 @@ class RetrievalPredictor(Predictor):
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
-        if self._index is None or self._index_key != self._key():
-            # A (re)build reads the whole history: keep the server's event loop free.
-            await asyncio.to_thread(self.index)
-        for i, (text, score) in enumerate(self.rank(ctx, max(1, n))):
+        idx = await self._fresh_index()
+        for i, (text, score) in enumerate(self.rank(ctx, max(1, n), idx)):
             yield NextCellChunk(index=i, text=text, done=True, score=round(score, 4))
 
     # -- output ------------------------------------------------------------------------------
