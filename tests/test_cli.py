@@ -462,6 +462,8 @@ def test_bad_inputs(recorded, dump, tmp_path):
     text = tmp_path / "text.ipynb"
     text.write_text("hello, not json")
     assert "not a Jupyter notebook" in _one_line_error(cli("record", str(text), store=store))
+    msg = _one_line_error(cli("record", str(recorded["second"]), "--kernel", "nope", store=store))
+    assert "unknown kernel 'nope'" in msg
     out = tmp_path / "out"
     msg = _one_line_error(cli("export", "--out", str(out), "--format", "csv", store=store))
     assert "unknown format" in msg

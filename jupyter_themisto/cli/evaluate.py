@@ -445,6 +445,8 @@ def plot(runs: dict[str, Any], path: Path) -> None:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.task not in TASKS:
         raise CliError(f"unknown task {args.task!r}: expected next-cell or output")
+    if args.concurrency < 1:
+        raise CliError("--concurrency must be at least 1")
     dump = Path(args.dump).expanduser()
     manifest = read_manifest(dump)
     options = parse_options(args.option)

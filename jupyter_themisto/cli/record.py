@@ -167,6 +167,7 @@ def record_notebook(
     snapshot_mode: str,
 ) -> dict[str, Any]:
     """Run one notebook with the recorder; returns {"trajectory_id", "cells", "error"}."""
+    from jupyter_client.kernelspec import NoSuchKernel
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -221,6 +222,8 @@ def record_notebook(
                     await asyncio.sleep(0.1)
         except CliError:
             raise
+        except NoSuchKernel as e:
+            raise CliError(f"{path}: no such kernel {e.name!r} (pass --kernel NAME)") from e
         except (RuntimeError, OSError) as e:
             raise CliError(f"cannot run {path}: {type(e).__name__}: {e}") from e
 
@@ -235,6 +238,15 @@ def cmd_record(args: argparse.Namespace) -> int:
     paths = [Path(p).expanduser() for p in args.notebooks]
     for p in paths:  # all inputs checked before any kernel starts
         _read(p)
+    if args.kernel:
+        from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+        ksm = KernelSpecManager()
+        try:
+            ksm.get_kernel_spec(args.kernel)
+        except NoSuchKernel:
+            known = ", ".join(sorted(ksm.find_kernel_specs())) or "none"
+            raise CliError(f"unknown kernel {args.kernel!r}; installed kernels: {known}") from None
     store = store_path(args)
     failed = 0
     for p in paths:
