@@ -192,29 +192,35 @@ class ThemistoManager:
         self, req: NextCellRequest | OutputRequest, trajectory: dict[str, Any]
     ) -> PredictionContext:
         tid = trajectory["id"]
-        # Only the tail can fit in a prompt: bounded read, whatever the trajectory's length.
         n = trajectory.get("n_executions") or 0
-        tail = max(64, self.token_budget // 8)
-        rows = self.store.list_executions(tid, offset=max(0, n - tail))
         variables: list[dict[str, Any]] = []
         changes: dict[str, int] = {}
         if req.with_runtime:
             variables = [redact_variable(v) for v in self.store.latest_variables(tid)]
             changes = self.store.variable_changes(tid)
         cells = [c.model_dump() for c in req.cells] if req.cells else None
-        ctx = build_context(
-            rows,
-            variables,
-            with_runtime=req.with_runtime,
-            target_source=getattr(req, "source", None),
-            notebook_cells=cells,
-            variable_changes=changes,
-            token_budget=self.token_budget,
-            max_output_chars=self.max_output_chars,
-            notebook_path=req.notebook_path or trajectory.get("notebook_path"),
-            trajectory_id=tid,
-            kernel_id=req.kernel_id or trajectory.get("kernel_id"),
-        )
+        # Only the tail fits in the budget: read a little, and more only while all of it fits,
+        # so that a request costs the same however long the trajectory is.
+        tail = 48
+        while True:
+            rows = self.store.list_executions(tid, offset=max(0, n - tail))
+            ctx = build_context(
+                rows,
+                variables,
+                with_runtime=req.with_runtime,
+                target_source=getattr(req, "source", None),
+                notebook_cells=cells,
+                variable_changes=changes,
+                token_budget=self.token_budget,
+                max_output_chars=self.max_output_chars,
+                notebook_path=req.notebook_path or trajectory.get("notebook_path"),
+                trajectory_id=tid,
+                kernel_id=req.kernel_id or trajectory.get("kernel_id"),
+            )
+            used = sum(1 for c in ctx.cells if c.cell_type == "code")
+            if tail >= n or used < len(rows):
+                break
+            tail *= 4
         if req.with_runtime and rows:
             snapped = [r["order_index"] for r in rows if r.get("snapshot_id") is not None]
             # No snapshot in the tail: the summary (if any) is older than all of it.
