@@ -121,3 +121,12 @@ class ThemistoExtensionApp(ExtensionApp):
         await self.auto_recorder.close()
         await self.manager.close()
         self.store.close()
+
+
+# `python -m jupyter_themisto.server.app --help-all` lists every trait with its help (the
+# server's own --help-all does not include extensions' classes); without flags it starts a
+# Jupyter server with this extension.
+main = launch_new_instance = ThemistoExtensionApp.launch_instance
+
+if __name__ == "__main__":
+    main()
