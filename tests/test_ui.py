@@ -17,7 +17,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from jupyter_themisto.store import TrajectoryStore
-from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab
+from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, check_installed_build
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 TIMEOUT_MS = 30_000
@@ -33,6 +33,7 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+    check_installed_build(Path(__file__).resolve().parents[1])
     server = JupyterLab(tmp_path_factory.mktemp("lab"))
     server.store_path.parent.mkdir(parents=True, exist_ok=True)
     store = TrajectoryStore(server.store_path)

@@ -39,6 +39,21 @@ USER_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
+def check_installed_build(root: Path) -> None:
+    """The lab serves the venv's copy of the build: refuse to test an older one than the tree's."""
+    built = root / "jupyter_themisto" / "labextension" / "package.json"
+    installed = VENV_BIN.parent / "share" / "jupyter" / "labextensions" / "jupyter-themisto"
+    if not built.exists():
+        return  # nothing built in the tree: whatever is installed is what there is
+    load = json.loads(built.read_text())["jupyterlab"]["_build"]["load"]
+    served = json.loads((installed / "package.json").read_text())["jupyterlab"]["_build"]["load"]
+    if load != served:
+        raise RuntimeError(
+            f"the installed labextension ({served}) is not the current build ({load}): "
+            "run `bash .ci/setup` to reinstall it"
+        )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -245,7 +245,7 @@ export function describeFailure(error: unknown): string {
       case 504:
         return `Backend timed out: ${error.message}`;
       case 404:
-        return `Nothing recorded yet for this notebook (${error.message}).`;
+        return `Prediction unavailable: ${error.message}`;
       default:
         return `Prediction failed (${error.status}): ${error.message}`;
     }

@@ -7,13 +7,15 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { Cell } from '@jupyterlab/cells';
 import { CommandRegistry } from '@lumino/commands';
 
+import { listExecutions, listTrajectories, requestJSON } from '../common/handler';
 import { ThemistoService } from '../common/service';
+import { ITrajectory } from '../common/types';
 import { NextCellProvider } from './provider';
 
 export const SUGGEST_COMMAND = 'themisto:suggest-next-cell';
 
-/** The recorder writes a cell's row just after the kernel goes idle. */
-const RECORD_GRACE_MS = 60;
+/** How long to wait for the recorder to write the cell just run before predicting anyway. */
+const RECORD_WAIT_MS = 2000;
 
 /** Whether the notebook has run any code (in this session or as saved). */
 function hasExecutions(panel: NotebookPanel): boolean {
@@ -52,6 +54,41 @@ export function activateNextCell(
     return set;
   };
   let waiting: { panel: NotebookPanel; cell: Cell } | null = null;
+  const lastRun = new WeakMap<object, string>();
+  const trajectoryOfKernel = new Map<string, string>();
+
+  /** Resolve once the kernel's trajectory ends with `source` (or it is not recorded at all). */
+  const recorded = async (panel: NotebookPanel, source: string | undefined) => {
+    const kernelId = panel.sessionContext.session?.kernel?.id;
+    if (!kernelId || source === undefined) {
+      return;
+    }
+    const started = performance.now();
+    try {
+      let tid = trajectoryOfKernel.get(kernelId);
+      if (!tid) {
+        const list = await listTrajectories({ limit: 20 });
+        tid = list.find(t => t.kernel_id === kernelId)?.id;
+        if (!tid) {
+          return; // this kernel does not record (opted out, or no recorder)
+        }
+        trajectoryOfKernel.set(kernelId, tid);
+      }
+      while (performance.now() - started < RECORD_WAIT_MS) {
+        const t = await requestJSON<ITrajectory>(`trajectories/${encodeURIComponent(tid)}`);
+        const n = t.n_executions ?? 0;
+        if (n > 0) {
+          const { executions } = await listExecutions(tid, n - 1, 1);
+          if (executions[0]?.source === source) {
+            return;
+          }
+        }
+        await new Promise(resolve => setTimeout(resolve, 25));
+      }
+    } catch {
+      // the server will say what is wrong when the prediction itself is asked for
+    }
+  };
 
   const invokeNow = (panel: NotebookPanel, cell: Cell) => {
     // The completer extension swaps its editor on activeCellChanged too; let it go first.
@@ -73,18 +110,8 @@ export function activateNextCell(
       return;
     }
     waiting = null;
-    const kernel = panel.sessionContext.session?.kernel;
-    if (!kernel || kernel.status === 'idle') {
-      window.setTimeout(() => invokeNow(panel, cell), RECORD_GRACE_MS);
-      return;
-    }
-    const onStatus = (_: unknown, status: string) => {
-      if (status === 'idle' || status === 'dead' || status === 'unknown') {
-        kernel.statusChanged.disconnect(onStatus);
-        window.setTimeout(() => invokeNow(panel, cell), RECORD_GRACE_MS);
-      }
-    };
-    kernel.statusChanged.connect(onStatus);
+    const source = lastRun.get(panel.content);
+    void recorded(panel, source).then(() => invokeNow(panel, cell));
   };
 
   tracker.activeCellChanged.connect((_, cell) => {
@@ -115,6 +142,7 @@ export function activateNextCell(
   NotebookActions.executed.connect((_, { notebook, cell }) => {
     const set = pendingOf(notebook);
     set.delete(cell.model.id);
+    lastRun.set(notebook, cell.model.sharedModel.getSource());
     if (set.size === 0 && waiting && waiting.panel.content === notebook) {
       invokeWhenRecorded(waiting.panel, waiting.cell);
     }

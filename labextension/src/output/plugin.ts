@@ -97,7 +97,8 @@ export class OutputPredictions {
     const actual = outputsText(cell.model.outputs.toJSON());
     const badge = new PredictionBadge(outputsMatch(predicted, actual), predicted);
     this._badges.set(cell, badge);
-    this._insert(cell, badge);
+    // Under the real output, which now stands where the prediction was.
+    (cell.layout as PanelLayout).addWidget(badge);
   }
 
   private _clear(cell: Cell): void {

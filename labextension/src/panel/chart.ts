@@ -30,9 +30,10 @@ export function formatBytes(bytes: number | null): string {
 export function renderChart(executions: IExecution[], width = 260, height = 90): SVGElement {
   const svg = el('svg', {
     class: 'jp-ThemistoChart',
-    width,
+    width: '100%',
     height,
     viewBox: `0 0 ${width} ${height}`,
+    preserveAspectRatio: 'none',
     role: 'img'
   });
   const title = el('title', {});

@@ -163,7 +163,9 @@ export class ThemistoPanel extends Widget {
     if (state.state === 'pending') {
       this._meta.textContent = 'Asking the backend…';
     } else if (state.state === 'failed') {
-      this._meta.textContent = `No suggestions (${backend}).`;
+      this._meta.textContent = result?.backend
+        ? `No suggestions from ${result.backend}.`
+        : 'No suggestions.';
     } else {
       const took =
         result?.elapsedMs !== null && result?.elapsedMs !== undefined
