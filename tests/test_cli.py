@@ -283,7 +283,16 @@ def test_evaluate_retrieval_and_baselines(dump, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     r = cli(
-        "evaluate", str(dump), "--backend", "ret-context", "--task", "next-cell", "--out", str(out)
+        "evaluate",
+        str(dump),
+        "--backend",
+        "ret-context",
+        "--task",
+        "next-cell",
+        "--out",
+        str(out),
+        "--min-context",
+        "5",
     )
     assert r.returncode == 0, r.stderr
 
@@ -311,6 +320,8 @@ def test_evaluate_retrieval_and_baselines(dump, tmp_path):
     assert runs["output__retrieval__without-runtime"]["metrics"]["exact_match"] == 0.0
     assert runs["next-cell__repeat-previous__with-runtime"]["n"] == 5
     assert "api_recall" in runs["next-cell__ret-context__with-runtime"]["metrics"]
+    # --min-context 5: analysis.ipynb's instances at order 5..11 (second.ipynb is shorter).
+    assert runs["next-cell__ret-context__with-runtime"]["n"] == len(ANALYSIS) - 5
     table = (out / "results.md").read_text().splitlines()
     assert table[0].startswith("| task | backend | runtime |") and len(table) == 2 + 4
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

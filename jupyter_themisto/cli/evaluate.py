@@ -71,6 +71,13 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--limit", type=int, default=None, metavar="N", help="first N instances only")
     p.add_argument(
+        "--min-context",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only instances with at least N prior executions (Themisto used 5)",
+    )
+    p.add_argument(
         "--concurrency",
         type=int,
         default=1,
@@ -454,6 +461,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     instances = read_table(dump, manifest, _TASK_TABLE[args.task])
     if not executions or not instances:
         raise CliError(f"the dump {dump} has no {args.task} instances to evaluate")
+    instances = [i for i in instances if i["n_context"] >= args.min_context]
     if args.limit is not None:
         instances = instances[: max(0, args.limit)]
     out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"
