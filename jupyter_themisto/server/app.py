@@ -90,7 +90,8 @@ class ThemistoExtensionApp(ExtensionApp):
         assert self.serverapp is not None  # set by jupyter_server before this is called
         path = self.store_path or str(default_store_path())
         # Kernels inherit the server's environment: they record where the server reads.
-        os.environ[STORE_ENV] = path
+        self._previous_store_env = os.environ.get(STORE_ENV)
+        self._store_env = os.environ[STORE_ENV] = path
         self.store = TrajectoryStore(path)
         self.manager = ThemistoManager(
             self.store,
@@ -121,6 +122,12 @@ class ThemistoExtensionApp(ExtensionApp):
         await self.auto_recorder.close()
         await self.manager.close()
         self.store.close()
+        # Leave the environment as found (several servers may live in one test process).
+        if os.environ.get(STORE_ENV) == self._store_env:
+            if self._previous_store_env is None:
+                os.environ.pop(STORE_ENV, None)
+            else:
+                os.environ[STORE_ENV] = self._previous_store_env
 
 
 # `python -m jupyter_themisto.server.app --help-all` lists every trait with its help (the
