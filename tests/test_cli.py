@@ -24,7 +24,7 @@ from jupyter_themisto import metrics as M
 from jupyter_themisto.cli.export import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.context import outputs_to_text
 from jupyter_themisto.store import TrajectoryStore
-from tests.peers import OpenAIPeer
+from tests.peers import Fault, OpenAIPeer
 
 PNG = base64.b64encode(os.urandom(3000)).decode()
 ANALYSIS = [
@@ -507,3 +507,41 @@ def test_bad_inputs(recorded, dump, tmp_path):
     assert not (tmp_path / "evaluation").exists()
     r = cli("record", "--help-me")  # argparse's own usage error: non-zero, on stderr
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_evaluate_backend_failures_are_recorded_and_retried(dump, tmp_path):
+    out = tmp_path / "e"
+    with OpenAIPeer(reply="x = 1") as peer:
+        args = [
+            "evaluate",
+            str(dump),
+            "--backend",
+            "openai",
+            "--task",
+            "next-cell",
+            "--limit",
+            "2",
+            "--out",
+            str(out),
+            "-o",
+            f"base_url={peer.url}",
+            "-o",
+            "max_retries=0",
+            "-o",
+            "api_key=sk-test-000000",
+        ]
+        peer.fail(Fault.error(500))
+        peer.fail(Fault.error(500))
+        r = cli(*args)
+        assert r.returncode == 1 and "2 examples failed" in r.stdout
+        rows = [json.loads(x) for x in (out / "next-cell__openai__with-runtime.jsonl").open()]
+        assert len(rows) == 2 and all("error" in row and "scores" not in row for row in rows)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["runs"]["next-cell__openai__with-runtime"]["n_errors"] == 2
+        # Failed examples are not "done": a rerun does them again.
+        r = cli(*args)
+        assert r.returncode == 0, r.stderr
+        assert len(peer.requests) == 4
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"]["next-cell__openai__with-runtime"]
+    assert run["n"] == 2 and run["n_errors"] == 0 and run["n_scored"] == 2
