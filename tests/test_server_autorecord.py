@@ -76,6 +76,18 @@ async def test_kernels_record_automatically(jp_fetch, jp_serverapp, jp_root_dir,
         "themisto", "predict", "next-cell", method="POST", body=json.dumps({"kernel_id": kernel_id})
     )
     assert r.body.decode().startswith("event: meta")
+    # A restart is a new kernel process: it records again, as a new trajectory.
+    del app.auto_recorder.outcomes[kernel_id]
+    await jp_fetch("api", "kernels", kernel_id, "restart", method="POST", body="{}")
+    await wait_for(lambda: kernel_id in app.auto_recorder.outcomes)
+    assert app.auto_recorder.outcomes[kernel_id] == "loaded"
+    await run_cell(jp_serverapp, kernel_id, "after_restart = 1")
+    newer = await wait_for(
+        lambda: (t := store.latest_trajectory_for_kernel(kernel_id))["id"] != traj["id"] and t
+    )
+    rows = await wait_for(lambda: store.list_executions(newer["id"]))
+    assert [r["source"] for r in rows] == ["after_restart = 1"]
+    assert newer["notebook_path"] == "auto.ipynb"
     store.close()
     await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
