@@ -265,6 +265,9 @@ async def test_backend_failures_map_to_502_504(jp_fetch, store, peer):
     assert events[-2][0] == "error" and events[-2][1]["status"] == 502
     assert "cut off" in events[-2][1]["message"]
     assert events[-1][0] == "done"
+    # Failed requests write nothing.
+    assert store.count_trajectories() == 1 and store.count_executions() == 5
+    assert store.blob_stats()["count"] == 0
 
 
 async def test_disconnect_cancels_backend(
