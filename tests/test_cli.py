@@ -253,6 +253,26 @@ def test_export_parquet_shards_and_hf_datasets(recorded, dump, tmp_path):
     )["test"]
     assert ds.num_rows == len(pd.read_json(dump / "next_cell.jsonl", lines=True))
 
+    # evaluate reads either format the same way.
+    results = []
+    for d in (out, dump):
+        r = cli(
+            "evaluate",
+            str(d),
+            "--backend",
+            "repeat-previous",
+            "--task",
+            "output",
+            "--out",
+            str(tmp_path / f"eval-{d.name}"),
+        )
+        assert r.returncode == 0, r.stderr
+        path = tmp_path / f"eval-{d.name}" / "output__repeat-previous__with-runtime.jsonl"
+        results.append(
+            {row["id"]: (row["prediction"], row["scores"]) for row in map(json.loads, path.open())}
+        )
+    assert results[0] == results[1] and len(results[0]) > 5
+
 
 def test_evaluate_retrieval_and_baselines(dump, tmp_path):
     out = tmp_path / "eval"
