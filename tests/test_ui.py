@@ -8,6 +8,7 @@ test-artifacts/. The ghost-text latency is printed, not asserted.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from jupyter_themisto.store import TrajectoryStore
+from tests.peers import Fault, OpenAIPeer
 from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, check_installed_build
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
@@ -31,10 +33,27 @@ HISTORY = [
 ]
 
 
+# What the loopback OpenAI-compatible model server streams, four characters a chunk (the
+# server passes model text on a line at a time, so it takes several lines to see it grow).
+LONG_SUGGESTION = (
+    "mean = sum(values) / len(values)\nspread = max(values) - min(values)\nprint(mean, spread)"
+)
+
+
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+def model_server() -> Iterator[OpenAIPeer]:
+    with OpenAIPeer(reply=LONG_SUGGESTION, chunk_size=4) as peer:
+        yield peer
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory, model_server: OpenAIPeer) -> Iterator[JupyterLab]:
     check_installed_build(Path(__file__).resolve().parents[1])
-    server = JupyterLab(tmp_path_factory.mktemp("lab"))
+    openai = {"base_url": model_server.url, "model": "test-model", "api_key": "test"}
+    server = JupyterLab(
+        tmp_path_factory.mktemp("lab"),
+        [f"--ThemistoExtensionApp.backend_settings={json.dumps({'openai': openai})}"],
+    )
     server.store_path.parent.mkdir(parents=True, exist_ok=True)
     store = TrajectoryStore(server.store_path)
     tid = store.create_trajectory(notebook_path="earlier/analysis.ipynb")
@@ -193,6 +212,43 @@ def test_panel_lists_suggestions_and_insert_and_run(page: Page, lab: JupyterLab)
     expect(inserted.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=60_000)
     expect(inserted.locator(".jp-OutputArea-output")).to_have_text("2.5")
     shot(page, "2-panel-insert-and-run")
+
+
+def test_long_suggestion_streams_into_the_ghost_text(
+    page: Page, lab: JupyterLab, model_server: OpenAIPeer
+) -> None:
+    """With a model server that streams slowly, the ghost text grows chunk by chunk."""
+    for _ in range(4):  # one slow stream per request the page may make
+        model_server.fail(Fault.slow(0.05))
+    settings = '{"backend": "openai", "debounceMs": 30}'
+    lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": settings})
+    try:
+        open_notebook(page, lab, "stream.ipynb")
+        page.evaluate(
+            """() => {
+            const seen = (window.__themistoGhostLengths = []);
+            new MutationObserver(() => {
+              const ghost = document.querySelector('.jp-Cell.jp-mod-active .jp-GhostText');
+              const n = ghost ? ghost.textContent.length : 0;
+              if (n && seen[seen.length - 1] !== n) seen.push(n);
+            }).observe(document.body, { subtree: true, childList: true, characterData: true });
+          }"""
+        )
+        run_cell(page, "values = [1, 2, 3, 4]")
+        ghost = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active .jp-GhostText")
+        expect(ghost).to_contain_text("print(mean, spread)")
+        assert ghost.inner_text().split() == LONG_SUGGESTION.split()
+        lengths = page.evaluate("() => window.__themistoGhostLengths")
+        assert len(lengths) >= 3 and lengths[0] < len(LONG_SUGGESTION), lengths
+        assert lengths == sorted(lengths), lengths
+        shot(page, "6-streamed-ghost-text")
+        page.keyboard.press("Tab")
+        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+        expect(active.locator(".cm-content")).to_contain_text("print(mean, spread)")
+        assert active.locator(".cm-content").inner_text().strip() == LONG_SUGGESTION
+        assert any(r.path.endswith("/chat/completions") for r in model_server.requests)
+    finally:
+        lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": '{"debounceMs": 30}'})
 
 
 def test_predicted_output_replaced_by_real_with_badge(page: Page, lab: JupyterLab) -> None:

@@ -63,8 +63,9 @@ def free_port() -> int:
 class JupyterLab:
     """`jupyter lab` with the extension, the embedded retrieval backend and an isolated store."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, extra_args: list[str] | None = None) -> None:
         self.base = base
+        self.extra_args = list(extra_args or [])
         self.root = base / "root"
         self.store_path = base / "store" / "trajectories.sqlite"
         self.port = free_port()
@@ -108,6 +109,7 @@ class JupyterLab:
                 f"--IdentityProvider.token={self.token}",
                 f"--ServerApp.root_dir={self.root}",
                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                *self.extra_args,
             ],
             env=self.env(),
             stdout=self._log,
