@@ -280,3 +280,29 @@ def _shown(done):
             content["traceback"] = [t.split("In[")[0] for t in content["traceback"]]
         out.append((kind, content))
     return out
+
+
+def test_graceful_shutdown_right_after_a_cell_keeps_it(tmp_path):
+    """`jupyter themisto record` shuts the kernel down right after the last reply."""
+    path = tmp_path / "graceful.sqlite"
+    k = RecordingKernel(path)
+    try:
+        k.run("import numpy as np")
+        last = k.run("data = np.arange(1000)\nprint('last cell')")
+    finally:
+        k.kc.stop_channels()
+        # Generous, so that a loaded machine does not make the manager SIGTERM the group.
+        k.km.shutdown_wait_time = 30
+        k.km.shutdown_kernel(now=False)
+    with TrajectoryStore(path, readonly=True) as store:
+        (traj,) = store.list_trajectories()
+        rows = store.list_executions(traj["id"])
+        assert rows[-1]["msg_id"] == last.msg_id
+        assert rows[-1]["outputs"][0]["text"] == "last cell\n"
+        # The snapshot child may outlive the kernel by a moment; it finishes on its own.
+        deadline = time.monotonic() + 60
+        while store.get_execution(rows[-1]["id"])["snapshot_status"] == "pending":
+            assert time.monotonic() < deadline, "snapshot still pending"
+            time.sleep(0.1)
+        assert store.get_snapshot(rows[-1]["id"])["status"] == "ok"
+        assert {v["name"] for v in store.get_variables(rows[-1]["id"])} == {"data"}

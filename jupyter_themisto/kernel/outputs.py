@@ -155,14 +155,16 @@ class OutputCapture:
                 kind = msg.get("msg_type") or msg.get("header", {}).get("msg_type")
                 content = msg.get("content") or {}
                 if kind in ("display_data", "update_display_data"):
-                    out = {
-                        "output_type": "display_data",
-                        "data": dict(content.get("data") or {}),
-                        "metadata": copy.deepcopy(content.get("metadata") or {}),
-                    }
+                    meta: dict[str, Any] = copy.deepcopy(content.get("metadata") or {})
                     if kind == "update_display_data":
-                        out["metadata"].setdefault("themisto", {})["update"] = True
-                    self.outputs.append(out)
+                        meta.setdefault("themisto", {})["update"] = True
+                    self.outputs.append(
+                        {
+                            "output_type": "display_data",
+                            "data": dict(content.get("data") or {}),
+                            "metadata": meta,
+                        }
+                    )
                 elif kind == "clear_output":
                     # Recorded as what a notebook would keep: the outputs shown so far vanish.
                     if not content.get("wait"):
@@ -198,8 +200,11 @@ def drain_fd_pipes(budget: float = 0.02) -> None:
     import select
     import time
 
-    fids = [getattr(s, "_fid", None) for s in (sys.stdout, sys.stderr)]
-    fids = [f for f in fids if isinstance(f, int)]
+    fids: list[int] = [
+        f
+        for f in (getattr(s, "_fid", None) for s in (sys.stdout, sys.stderr))
+        if isinstance(f, int)
+    ]
     if not fids:
         return
     deadline = time.monotonic() + budget

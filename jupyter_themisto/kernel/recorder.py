@@ -86,7 +86,9 @@ class ThemistoRecorder(LoggingConfigurable):
         "snapshots every execution of a batch re-execution at the cost of pacing it).",
     ).tag(config=True)
     exit_wait_seconds = Float(
-        3.0, help="Seconds a kernel shutting down waits for running snapshot children."
+        1.0,
+        help="Seconds a kernel shutting down waits for running snapshot children (they go "
+        "on after it exits unless the kernel's process group is killed).",
     ).tag(config=True)
     max_repr_chars = Int(200, help="Length of the short repr kept in a variable summary.").tag(
         config=True
@@ -178,7 +180,7 @@ class ThemistoRecorder(LoggingConfigurable):
 
     def _install_deferral(self) -> None:
         """Run flush_pending after ipykernel has sent the reply (its post_handler_hook)."""
-        kernel = getattr(self.shell, "kernel", None)
+        kernel: Any = getattr(self.shell, "kernel", None)
         original = getattr(kernel, "post_handler_hook", None)
         if not self.defer_writes or original is None:
             return
@@ -190,7 +192,7 @@ class ThemistoRecorder(LoggingConfigurable):
             finally:
                 if recorder._pending is not None:
                     # io_loop exists once the kernel has started (after extensions load).
-                    loop = getattr(kernel, "io_loop", None)
+                    loop: Any = getattr(kernel, "io_loop", None)
                     try:
                         loop.add_callback(recorder.flush_pending)
                     except Exception:
@@ -211,7 +213,7 @@ class ThemistoRecorder(LoggingConfigurable):
         # The last execution of a kernel shut down right after its reply: no fork at exit.
         self.snapshots.exiting = True
         self.flush_pending()
-        self.snapshots.wait(self.exit_wait_seconds)
+        self.snapshots.wait(self.exit_wait_seconds, hurry=True)
 
     def _keep_last(self) -> None:
         # Outputs emitted by other post_run_cell callbacks (registered after us, e.g. by a

@@ -32,12 +32,14 @@ so only a cell sent meanwhile waits for it), `failed`
 
 Fork mode (default on Linux/macOS): after the execution row is written, the kernel closes its
 own store connection, calls `gc.freeze()` (the kernel's collections then do not touch the
-child's copy-on-write pages) and forks. The child ignores SIGINT (an interrupt of the kernel's
-process group must not abort it), points fds 1 and 2 at /dev/null (ipykernel forwards a forked
-child's output into the person's cell), disables gc (a collected file object would flush),
-serializes and writes with its own store connection, and leaves with `os._exit`. The kernel
-reaps children without blocking at the start and end of each cell and unfreezes gc when none
-is left.
+child's copy-on-write pages) and forks. The child ignores SIGINT, leaves the kernel's process
+group (ipykernel terminates that group's processes at shutdown; a snapshot should outlive the
+kernel by the moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its
+priority (nice 10), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's
+output into the person's cell), disables gc (a collected file object would flush), serializes
+and writes with its own store connection, and leaves with `os._exit`. The kernel reaps
+children without blocking at the start and end of each cell and unfreezes gc when none is
+left.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from ..redaction import REDACTED_REASON, is_secret_name
 # Exit codes of the snapshot child.
 _CHILD_OK = 0
 _CHILD_FAILED = 3
+_CHILD_NICE = 10
 
 _SMALL_CONTAINER = 1000
 
@@ -375,7 +378,7 @@ def _array_fingerprint(a: Any, xxhash: Any) -> str | None:
     h = xxhash.xxh3_128()
     h.update(f"{a.dtype.str}{a.shape}".encode())
     buf = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-    h.update(memoryview(buf.reshape(-1).view(np.uint8)) if buf.size else b"")
+    h.update(buf.reshape(-1).view(np.uint8).data if buf.size else b"")
     return h.hexdigest()
 
 
@@ -666,9 +669,20 @@ class SnapshotManager:
         try:
             gc.disable()
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            # The kernel comes first: on a busy machine the child takes the leftover CPU.
+            # Out of the kernel's process group: ipykernel terminates its group's children at
+            # shutdown and jupyter_client signals the group; the snapshot must outlive both.
+            # An orphan still stops on its own: a CPU-time limit bounds it.
             try:
-                os.nice(19)
+                os.setpgid(0, 0)
+                import resource
+
+                limit = max(1, int(self.recorder.max_snapshot_seconds))
+                resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))
+            except (OSError, ValueError, ImportError):
+                pass
+            # The kernel comes first; not 19, which starves the child on a busy machine.
+            try:
+                os.nice(_CHILD_NICE)
             except OSError:
                 pass
             devnull = os.open(os.devnull, os.O_RDWR)
@@ -725,8 +739,17 @@ class SnapshotManager:
             gc.unfreeze()
             self._frozen = False
 
-    def wait(self, seconds: float, below: int = 1) -> None:
-        """Reap until fewer than `below` children run, for at most `seconds`."""
+    def wait(self, seconds: float, below: int = 1, *, hurry: bool = False) -> None:
+        """Reap until fewer than `below` children run, for at most `seconds`.
+
+        `hurry` (at kernel exit) gives the children normal priority again where allowed.
+        """
+        if hurry:
+            for pid in self.children:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0))
+                except (OSError, AttributeError):
+                    pass
         deadline = time.monotonic() + seconds
         self.reap()
         while len(self.children) >= below and time.monotonic() < deadline:
