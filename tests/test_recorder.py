@@ -223,6 +223,11 @@ def test_sigkill_mid_cell_leaves_store_intact(tmp_path):
     store = TrajectoryStore(path, readonly=True)
     assert store._conn().execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     (traj,) = store.list_trajectories()
+    # Snapshot children outlive the kernel (own process group): let the last ones finish.
+    deadline = time.monotonic() + 60
+    while any(r["snapshot_status"] == "pending" for r in store.list_executions(traj["id"])):
+        assert time.monotonic() < deadline, "snapshots still pending"
+        time.sleep(0.1)
     rows = store.list_executions(traj["id"])
     assert len(rows) == 6
     assert [r["outputs"][0]["text"] for r in rows[:5]] == [f"{i}\n" for i in range(5)]
