@@ -274,6 +274,31 @@ def test_predicted_output_replaced_by_real_with_badge(page: Page, lab: JupyterLa
     shot(page, "3-real-output-with-badge")
 
 
+def test_output_predicted_automatically_when_the_setting_is_on(page: Page, lab: JupyterLab) -> None:
+    lab.api(
+        "PUT",
+        "/lab/api/settings/jupyter-themisto:plugin",
+        {"raw": '{"predictOutputs": true, "debounceMs": 30}'},
+    )
+    try:
+        open_notebook(page, lab, "autooutput.ipynb")
+        run_cell(page, "pair = (1, 2)")
+        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+        page.keyboard.press("Escape")  # the ghost text, if any
+        active.locator(".cm-content").click()
+        page.keyboard.type("pair")
+        predicted = active.locator(".jp-ThemistoPredictedOutput")
+        expect(predicted).to_have_attribute("data-state", "done")
+        expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("(1, 2)")
+        page.keyboard.press("Shift+Enter")
+        ran = cells(page).nth(1)
+        expect(ran.locator(".jp-OutputArea-output")).to_have_text("(1, 2)")
+        expect(ran.locator(".jp-ThemistoPredictionBadge")).to_have_attribute("data-matched", "true")
+        shot(page, "3-automatic-output-prediction")
+    finally:
+        lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": '{"debounceMs": 30}'})
+
+
 def test_timeline_lists_the_executions(page: Page, lab: JupyterLab) -> None:
     open_notebook(page, lab, "timeline.ipynb")
     sources = ["a = 1", "b = a + 1", "1 / 0"]
