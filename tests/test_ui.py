@@ -274,6 +274,33 @@ def test_predicted_output_replaced_by_real_with_badge(page: Page, lab: JupyterLa
     shot(page, "3-real-output-with-badge")
 
 
+def test_badge_says_when_the_prediction_differed(page: Page, lab: JupyterLab) -> None:
+    """The prediction is made from the state before a cell above runs and changes it."""
+    open_notebook(page, lab, "differed.ipynb")
+    run_cell(page, "y = [1, 2, 3]")
+    page.keyboard.press("Escape")
+    cells(page).nth(1).locator(".cm-content").click()
+    page.keyboard.type("y.append(4)")
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    page.keyboard.press("Enter")
+    page.keyboard.type("len(y)")
+    target = cells(page).nth(2)
+    expect(target.locator(".cm-content")).to_have_text("len(y)")
+    page.keyboard.press("Alt+p")
+    predicted = target.locator(".jp-ThemistoPredictedOutput")
+    expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("3")
+    cells(page).nth(1).locator(".cm-content").click()
+    page.keyboard.press("Shift+Enter")
+    expect(cells(page).nth(1).locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"))
+    page.keyboard.press("Shift+Enter")
+    expect(target.locator(".jp-OutputArea-output")).to_have_text("4")
+    badge = target.locator(".jp-ThemistoPredictionBadge")
+    expect(badge).to_have_attribute("data-matched", "false")
+    expect(badge).to_contain_text("prediction differed")
+    shot(page, "3-prediction-differed")
+
+
 def test_output_predicted_automatically_when_the_setting_is_on(page: Page, lab: JupyterLab) -> None:
     lab.api(
         "PUT",

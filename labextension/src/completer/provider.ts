@@ -16,6 +16,8 @@ import { IPredictionResult } from '../common/types';
 
 export const PROVIDER_ID = '@jupyter-themisto/next-cell';
 
+const MAX_STREAMS = 8;
+
 /** Partial text of one streamed suggestion, handed from fetch() to stream(). */
 class TextStream {
   text = '';
@@ -85,6 +87,13 @@ export class NextCellProvider implements IInlineCompletionProvider {
     const token = `themisto-${++this._counter}`;
     const stream = new TextStream();
     this._streams.set(token, stream);
+    // A suggestion the completer never streamed (dismissed, superseded) is not kept for long.
+    for (const old of this._streams.keys()) {
+      if (this._streams.size <= MAX_STREAMS) {
+        break;
+      }
+      this._streams.delete(old);
+    }
     let first: () => void = () => undefined;
     const firstChunk = new Promise<void>(resolve => (first = resolve));
     const onUpdate = (result: IPredictionResult) => {
