@@ -7,15 +7,14 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { Cell } from '@jupyterlab/cells';
 import { CommandRegistry } from '@lumino/commands';
 
-import { listExecutions, listTrajectories, requestJSON } from '../common/handler';
+import { listExecutions, listTrajectories } from '../common/handler';
 import { ThemistoService } from '../common/service';
-import { ITrajectory } from '../common/types';
 import { NextCellProvider } from './provider';
 
 export const SUGGEST_COMMAND = 'themisto:suggest-next-cell';
 
 /** How long to wait for the recorder to write the cell just run before predicting anyway. */
-const RECORD_WAIT_MS = 2000;
+const RECORD_WAIT_MS = 5000;
 
 /** Whether the notebook has run any code (in this session or as saved). */
 function hasExecutions(panel: NotebookPanel): boolean {
@@ -54,32 +53,36 @@ export function activateNextCell(
     return set;
   };
   let waiting: { panel: NotebookPanel; cell: Cell } | null = null;
-  const lastRun = new WeakMap<object, string>();
-  const trajectoryOfKernel = new Map<string, string>();
+  /** What identifies the row of the cell run last: its execution count, else its source. */
+  const lastRun = new WeakMap<object, { count: number | null; source: string }>();
 
-  /** Resolve once the kernel's trajectory ends with `source` (or it is not recorded at all). */
-  const recorded = async (panel: NotebookPanel, source: string | undefined) => {
+  /**
+   * Resolve once the kernel's newest trajectory ends with the cell run last, or at once if the
+   * kernel does not record (opted out, no recorder); give up after RECORD_WAIT_MS.
+   */
+  const recorded = async (panel: NotebookPanel) => {
     const kernelId = panel.sessionContext.session?.kernel?.id;
-    if (!kernelId || source === undefined) {
+    const run = lastRun.get(panel.content);
+    if (!kernelId || !run) {
       return;
     }
     const started = performance.now();
     try {
-      let tid = trajectoryOfKernel.get(kernelId);
-      if (!tid) {
-        const list = await listTrajectories({ limit: 20 });
-        tid = list.find(t => t.kernel_id === kernelId)?.id;
-        if (!tid) {
-          return; // this kernel does not record (opted out, or no recorder)
-        }
-        trajectoryOfKernel.set(kernelId, tid);
-      }
       while (performance.now() - started < RECORD_WAIT_MS) {
-        const t = await requestJSON<ITrajectory>(`trajectories/${encodeURIComponent(tid)}`);
-        const n = t.n_executions ?? 0;
+        // Looked up each time: a restarted kernel keeps its id but starts a new trajectory.
+        const list = await listTrajectories({ limit: 20 });
+        const trajectory = list.find(t => t.kernel_id === kernelId);
+        if (!trajectory) {
+          return;
+        }
+        const n = trajectory.n_executions ?? 0;
         if (n > 0) {
-          const { executions } = await listExecutions(tid, n - 1, 1);
-          if (executions[0]?.source === source) {
+          const { executions } = await listExecutions(trajectory.id, n - 1, 1);
+          const row = executions[0];
+          if (
+            row &&
+            (run.count !== null ? row.execution_count === run.count : row.source === run.source)
+          ) {
             return;
           }
         }
@@ -110,8 +113,7 @@ export function activateNextCell(
       return;
     }
     waiting = null;
-    const source = lastRun.get(panel.content);
-    void recorded(panel, source).then(() => invokeNow(panel, cell));
+    void recorded(panel).then(() => invokeNow(panel, cell));
   };
 
   tracker.activeCellChanged.connect((_, cell) => {
@@ -142,7 +144,11 @@ export function activateNextCell(
   NotebookActions.executed.connect((_, { notebook, cell }) => {
     const set = pendingOf(notebook);
     set.delete(cell.model.id);
-    lastRun.set(notebook, cell.model.sharedModel.getSource());
+    const count = cell.model.type === 'code' ? (cell.model as any).executionCount : null;
+    lastRun.set(notebook, {
+      count: typeof count === 'number' ? count : null,
+      source: cell.model.sharedModel.getSource()
+    });
     if (set.size === 0 && waiting && waiting.panel.content === notebook) {
       invokeWhenRecorded(waiting.panel, waiting.cell);
     }
