@@ -309,5 +309,6 @@ def test_graceful_shutdown_right_after_a_cell_keeps_it(tmp_path):
         while store.get_execution(rows[-1]["id"])["snapshot_status"] == "pending":
             assert time.monotonic() < deadline, "snapshot still pending"
             time.sleep(0.1)
-        assert store.get_snapshot(rows[-1]["id"])["status"] == "ok"
+        snap = store.get_snapshot(rows[-1]["id"])
+        assert snap["status"] == "ok", snap["detail"]
         assert {v["name"] for v in store.get_variables(rows[-1]["id"])} == {"data"}

@@ -662,6 +662,12 @@ class SnapshotManager:
             pid = os.fork()
         if pid == 0:
             self._child(execution_id)  # never returns
+        # Both sides set the group (the classic race: a shutdown signalling the kernel's group
+        # between fork and the child's own setpgid would otherwise reach the child).
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
         self.children[pid] = [execution_id, time.monotonic(), False]
 
     def _child(self, execution_id: int) -> None:
