@@ -1,0 +1,187 @@
+"""The `preview` output backend: runs the cell in a sandboxed fork of the live kernel.
+
+It asks the person's kernel (only when idle) for `jupyter_themisto.kernel.preview.run_preview`
+through a silent execute_request's user_expressions: silent, so nothing is recorded, counted
+or shown; the reply carries the child's outputs as JSON. When the preview was stopped (the
+cell would write a file, open a connection, start a process, run too long...) the prediction
+falls back to the backend named by the `fallback` setting, or says why there is none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..context import PredictionContext, outputs_to_text
+from .base import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    NoPrediction,
+    OutputChunk,
+    Predictor,
+)
+
+
+class PreviewPredictor(Predictor):
+    """Settings (all optional): `timeout` (s, wall clock of the cell, default 5),
+    `memory_mb` (allowed beyond the kernel's memory, default 1024), `cpu_seconds` (default 10),
+    `fallback` (a backend name for stopped previews), `fallback_config` (its settings)."""
+
+    name = "preview"
+    description = (
+        "Runs the cell in a sandboxed copy-on-write fork of the live kernel (no writes, no "
+        "network, no processes) and shows what it printed."
+    )
+    tasks = ("output",)
+
+    def __init__(self, config: dict[str, Any] | None = None, env: Any = None):
+        super().__init__(config, env)
+        self.timeout = float(self.config.get("timeout", 5.0))
+        self.memory_mb = int(self.config.get("memory_mb", 1024))
+        self.cpu_seconds = int(self.config.get("cpu_seconds", 10))
+        if self.timeout <= 0 or self.memory_mb <= 0 or self.cpu_seconds <= 0:
+            raise ValueError("preview: timeout, memory_mb and cpu_seconds must be positive")
+        self.fallback_name: str | None = self.config.get("fallback") or None
+        if self.fallback_name == self.name:
+            raise ValueError("preview: the fallback backend cannot be preview itself")
+        self._fallback: Predictor | None = None
+        self._clients: dict[str, Any] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        #: what the last preview reported (for the host's logs and for tests)
+        self.last_reply: dict[str, Any] | None = None
+
+    # -- kernel access -----------------------------------------------------------------------
+
+    def _kernel(self, kernel_id: str) -> Any:
+        km = self.env.kernel_manager
+        if km is None:
+            raise BackendUnavailable("the preview backend needs a live kernel (no kernel manager)")
+        if hasattr(km, "get_kernel"):  # a MappingKernelManager / MultiKernelManager
+            try:
+                return km.get_kernel(kernel_id)
+            except KeyError:
+                raise NoPrediction(f"no running kernel {kernel_id!r}") from None
+        return km  # a single KernelManager
+
+    def _client(self, kernel_id: str, kernel: Any) -> Any:
+        kc = self._clients.get(kernel_id)
+        if kc is None:
+            kc = kernel.client()
+            kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+            self._clients[kernel_id] = kc
+        return kc
+
+    async def run_preview(self, kernel_id: str, source: str) -> dict[str, Any]:
+        """The kernel's preview reply for `source` (see kernel/preview.py for its fields)."""
+        kernel = self._kernel(kernel_id)
+        state = getattr(kernel, "execution_state", "idle")
+        if state != "idle":
+            # Never queue behind the person's running cell.
+            raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
+        lock = self._locks.setdefault(kernel_id, asyncio.Lock())
+        if lock.locked():
+            raise NoPrediction("kernel busy: another preview is running")
+        async with lock:
+            kc = self._client(kernel_id, kernel)
+            expr = (
+                "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
+                f".run_preview({source!r}, timeout={self.timeout!r}, "
+                f"memory_mb={self.memory_mb!r}, cpu_seconds={self.cpu_seconds!r})"
+            )
+            msg_id = kc.execute(
+                "",
+                silent=True,
+                store_history=False,
+                user_expressions={"preview": expr},
+                allow_stdin=False,
+                stop_on_error=False,
+            )
+            # The child is killed after `timeout`; the rest is fork, JSON and messaging.
+            deadline = time.monotonic() + self.timeout + 30
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise BackendTimeout("the kernel did not answer the preview request")
+                try:
+                    msg = await kc.get_shell_msg(timeout=remaining)
+                except Exception as e:  # queue.Empty on timeout
+                    if type(e).__name__ == "Empty":
+                        continue
+                    raise
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    break
+        content = msg["content"]
+        if content.get("status") != "ok":
+            raise BackendError(f"the kernel refused the preview: {content.get('evalue', '')}")
+        result = content.get("user_expressions", {}).get("preview", {})
+        if result.get("status") != "ok":
+            detail = f"{result.get('ename', 'Error')}: {result.get('evalue', '')}"
+            if result.get("ename") in ("ModuleNotFoundError", "ImportError"):
+                raise BackendUnavailable(
+                    f"jupyter_themisto is not importable in the kernel: {detail}"
+                )
+            raise BackendError(f"preview failed in the kernel: {detail}")
+        reply = result.get("data", {}).get("application/json")
+        if not isinstance(reply, dict):
+            raise BackendError("the kernel's preview reply is not JSON")
+        self.last_reply = reply
+        return reply
+
+    # -- prediction --------------------------------------------------------------------------
+
+    async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
+        if not ctx.target_source or not ctx.target_source.strip():
+            raise NoPrediction("no cell source to preview")
+        if not ctx.kernel_id:
+            raise NoPrediction("no live kernel to preview in")
+        reply = await self.run_preview(ctx.kernel_id, ctx.target_source)
+        stopped = reply.get("stopped") or []
+        meta = {"preview": {k: reply.get(k) for k in ("stopped", "sandbox", "status")}}
+        if reply.get("status") != "ok" or stopped:
+            why = (
+                "; ".join(f"preview stopped: the cell would {s}" for s in stopped)
+                or f"preview {reply.get('status')}: {reply.get('detail', '')}"
+            )
+            self.env.log.info("themisto: %s", why)
+            fallback = self._fallback_backend()
+            if fallback is None:
+                raise NoPrediction(f"{why} (no fallback backend configured)")
+            meta["preview"]["fallback"] = fallback.name
+            async for chunk in fallback.predict_output(ctx):
+                chunk.metadata = {**meta, **chunk.metadata}
+                yield chunk
+            return
+        text = outputs_to_text(reply.get("outputs", []), limit=1 << 20)
+        if not text:
+            raise NoPrediction("the cell shows no text output")
+        meta["outputs"] = reply.get("outputs", [])
+        yield OutputChunk(text=text, metadata=meta)
+
+    def _fallback_backend(self) -> Predictor | None:
+        if self.fallback_name is None:
+            return None
+        if self._fallback is None:
+            from .registry import create_backend
+
+            self._fallback = create_backend(
+                self.fallback_name, self.config.get("fallback_config"), self.env
+            )
+        return self._fallback
+
+    async def health(self) -> dict[str, Any]:
+        if self.env.kernel_manager is None:
+            return {"ok": False, "detail": "needs a live kernel (no kernel manager)"}
+        return {"ok": True, "detail": "ready (runs cells in a sandboxed fork of the kernel)"}
+
+    async def aclose(self) -> None:
+        for kc in self._clients.values():
+            try:
+                kc.stop_channels()
+            except Exception:
+                pass
+        self._clients.clear()
+        if self._fallback is not None:
+            await self._fallback.aclose()
