@@ -32,6 +32,10 @@ DEFAULT_MEMORY_MB = 1024
 DEFAULT_CPU_SECONDS = 10
 #: the most JSON a child may send back (outputs beyond it are cut)
 MAX_PAYLOAD = 4 * 2**20
+#: the child's end of the pipe back (the highest descriptor it may write to)
+PIPE_FD = 3
+#: how often the kernel checks the child's memory while it runs (seconds)
+MEMORY_POLL = 0.02
 
 
 class PreviewReply(dict):
@@ -95,19 +99,23 @@ def _run_cell(shell: Any, source: str, outputs: list[dict[str, Any]]) -> None:
     """Run `source` in the shell's namespace as IPython would show it (without its hooks,
     history or execution counter: those belong to the real kernel)."""
     cell = shell.transform_cell(source)
-    tree = ast.parse(cell, filename="<preview>")
+    try:  # tracebacks then show the cell's lines, as IPython's do ("Cell In[n], line k")
+        filename = shell.compile.cache(cell, shell.execution_count, raw_code=source)
+    except Exception:
+        filename = "<preview>"
+    tree = ast.parse(cell, filename=filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = tree.body.pop()
     ns = shell.user_ns
     flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    code = compile(tree, "<preview>", "exec", flags=flags)
+    code = compile(tree, filename, "exec", flags=flags)
     if code.co_flags & 0x80:  # CO_COROUTINE: top-level await needs the kernel's event loop
         raise NotImplementedError("cells with top-level await are not previewed")
     exec(code, ns)
     value = None
     if last is not None:
-        expr = compile(ast.Expression(last.value), "<preview>", "eval", flags=flags)
+        expr = compile(ast.Expression(last.value), filename, "eval", flags=flags)
         if expr.co_flags & 0x80:
             raise NotImplementedError("cells with top-level await are not previewed")
         value = eval(expr, ns)
@@ -140,11 +148,12 @@ def _flush_inline_figures() -> None:
 
 
 def _error_output(shell: Any, exc: BaseException) -> dict[str, Any]:
+    # Start at the cell's own frame, not at _child and _run_cell.
+    etb = None if isinstance(exc, SyntaxError) else exc.__traceback__
+    while etb is not None and etb.tb_frame.f_code.co_filename == __file__:
+        etb = etb.tb_next
     try:
-        # tb_offset 2: start at the cell, not at _child and _run_cell
-        tb = shell.InteractiveTB.structured_traceback(
-            type(exc), exc, exc.__traceback__, tb_offset=2
-        )
+        tb = shell.InteractiveTB.structured_traceback(type(exc), exc, etb)
     except Exception:
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
     return {
@@ -161,10 +170,16 @@ def _child(
     """The forked child's whole life: never returns."""
     reply: dict[str, Any] = {"outputs": [], "stopped": [], "sandbox": {}, "status": "ok"}
     try:
-        # No output of this process may reach the kernel's streams or sockets.
+        # No output of this process may reach the kernel's streams or sockets. The pipe moves
+        # to fd 3 so that 0..3 are the only writable descriptors (see sandbox.lock_down).
+        if wfd != PIPE_FD:
+            os.dup2(wfd, PIPE_FD)
+            os.close(wfd)
+            wfd = PIPE_FD
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
+        os.close(devnull)
         try:
             signal.set_wakeup_fd(-1)  # the kernel's event loop owns the wakeup fd
         except Exception:
@@ -191,9 +206,8 @@ def _child(
 
         pub.publish = publish
         pub.clear_output = clear_output
-        reply["sandbox"] = sandbox.lock_down(
-            pipe_fd=wfd, memory_bytes=memory_mb * 2**20, cpu_seconds=cpu_seconds
-        )
+        reply["sandbox"] = sandbox.lock_down(max_fd=PIPE_FD, cpu_seconds=cpu_seconds)
+        reply["sandbox"]["memory"] = f"watched by the kernel ({memory_mb} MB)"
         sandbox.install_audit_hook(reply["stopped"])
         started = time.perf_counter()
         try:
@@ -229,8 +243,12 @@ def _child(
         os._exit(0)
 
 
-def _describe_status(status: int, timeout: float, cpu_seconds: int, killed: bool) -> str:
-    if killed:
+def _describe_status(
+    status: int, timeout: float, cpu_seconds: int, killed: str | None, memory_mb: int
+) -> str:
+    if killed == "memory":
+        return f"use more than {memory_mb} MB of memory"
+    if killed == "timeout":
         return f"run longer than {timeout:g} s"
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -288,21 +306,28 @@ def run_preview(
     fork_ms = (time.perf_counter() - t0) * 1000
     os.close(wfd)
     chunks: list[bytes] = []
-    killed = False
+    killed: str | None = None
     status = 0
+    memory_ok = sandbox.private_memory(pid) is not None
     try:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                killed = True
+                killed = "timeout"
                 break
-            ready, _, _ = select.select([rfd], [], [], remaining)
+            # Poll the child's private memory while it runs (see sandbox.lock_down).
+            ready, _, _ = select.select([rfd], [], [], min(remaining, MEMORY_POLL))
             if ready:
                 block = os.read(rfd, 1 << 16)
                 if not block:
                     break
                 chunks.append(block)
+            elif memory_ok:
+                used = sandbox.private_memory(pid)
+                if used is not None and used > memory_mb * 2**20:
+                    killed = "memory"
+                    break
     finally:
         os.close(rfd)
         if killed:
@@ -326,7 +351,7 @@ def run_preview(
             "outputs": partial.get("outputs", []),
             "sandbox": partial.get("sandbox", {}),
             "status": "ok",
-            "stopped": [_describe_status(status, timeout, cpu_seconds, killed)],
+            "stopped": [_describe_status(status, timeout, cpu_seconds, killed, memory_mb)],
         }
     reply["fork_ms"] = fork_ms
     reply["elapsed_ms"] = (time.perf_counter() - t0) * 1000

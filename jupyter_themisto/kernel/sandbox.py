@@ -118,7 +118,7 @@ def _landlock() -> str:
         return f"unavailable: {type(e).__name__}: {e}"
 
 
-def _seccomp(pipe_fd: int) -> str:
+def _seccomp(max_fd: int) -> str:
     if pyseccomp is None:
         return f"unavailable: {_SECCOMP_IMPORT_ERROR}"
     sc = pyseccomp
@@ -139,8 +139,9 @@ def _seccomp(pipe_fd: int) -> str:
         rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
         # clone3 passes its flags in memory seccomp cannot read: ENOSYS makes glibc use clone.
         rule(sc.ERRNO(errno.ENOSYS), "clone3")
+        # One comparison per argument: the writable descriptors are the lowest ones.
         for name in _FD_WRITE_SYSCALLS:
-            rule(deny, name, sc.Arg(0, sc.NE, pipe_fd))
+            rule(deny, name, sc.Arg(0, sc.GT, max_fd))
         pid = os.getpid()
         for name in ("kill", "tgkill"):
             rule(deny, name, sc.Arg(0, sc.NE, pid))
@@ -151,21 +152,30 @@ def _seccomp(pipe_fd: int) -> str:
         return f"unavailable: {type(e).__name__}: {e}"
 
 
-def lock_down(*, pipe_fd: int, memory_bytes: int, cpu_seconds: int) -> dict[str, str]:
+def private_memory(pid: int) -> int | None:
+    """Bytes of memory `pid` holds privately (its own allocations and the copy-on-write pages
+    it copied), or None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            total = 0
+            for line in fh:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+            return total
+    except (OSError, ValueError):
+        return None
+
+
+def lock_down(*, max_fd: int, cpu_seconds: int) -> dict[str, str]:
     """Restrict the calling (forked) process for good; returns each layer's state.
 
-    Only `pipe_fd` stays writable. `memory_bytes` is added to the address space already
-    mapped (the child shares the kernel's), `cpu_seconds` bounds the child's CPU time.
+    Only descriptors 0..`max_fd` stay writable (the caller points them at /dev/null and at
+    its pipe); `cpu_seconds` bounds the child's CPU time. Memory is
+    bounded by the parent, which watches `private_memory` of the child: rlimits on the
+    address space or data segment break allocators that reserve large ranges up front
+    (Arrow's jemalloc fails its first malloc under them).
     """
     state: dict[str, str] = {}
-    try:
-        with open(f"/proc/{os.getpid()}/statm") as fh:
-            mapped = int(fh.read().split()[0]) * resource.getpagesize()
-        limit = mapped + memory_bytes
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        state["memory"] = f"on ({memory_bytes // 2**20} MB beyond the kernel's)"
-    except Exception as e:
-        state["memory"] = f"unavailable: {e}"
     try:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
         state["cpu"] = f"on ({cpu_seconds} s)"
@@ -177,7 +187,7 @@ def lock_down(*, pipe_fd: int, memory_bytes: int, cpu_seconds: int) -> dict[str,
         pass  # seccomp is the real barrier; as root RLIMIT_NPROC is not enforced anyway
     state["no_new_privs"] = _set_no_new_privs()
     state["landlock"] = _landlock()
-    state["seccomp"] = _seccomp(pipe_fd)
+    state["seccomp"] = _seccomp(max_fd)
     return state
 
 
@@ -237,7 +247,10 @@ def describe_event(event: str, args: tuple[Any, ...]) -> str | None:
                 return f"listen on the network ({address!r})"
             return f"open a network connection ({address!r})"
         if event in _PROCESS_EVENTS:
-            what = args[1] if event == "subprocess.Popen" and len(args) > 1 else args[0]
+            if event == "subprocess.Popen" and len(args) > 1:
+                what = args[1]
+            else:
+                what = args[0] if args else None
             if isinstance(what, (list, tuple)):
                 what = " ".join(os.fsdecode(a) for a in what)
             return f"start a process ({what})" if what not in (None, "") else "start a process"
