@@ -312,3 +312,23 @@ def test_graceful_shutdown_right_after_a_cell_keeps_it(tmp_path):
         snap = store.get_snapshot(rows[-1]["id"])
         assert snap["status"] == "ok", snap["detail"]
         assert {v["name"] for v in store.get_variables(rows[-1]["id"])} == {"data"}
+
+
+def test_store_that_cannot_be_opened_at_load(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the store's folder should be")
+    k = RecordingKernel(blocker / "trajectories.sqlite")
+    try:
+        done = k.run("print('still works')\n6 * 7")
+        assert done.outputs == [
+            ("stream", {"name": "stdout", "text": "still works\n"}),
+            (
+                "execute_result",
+                {"data": {"text/plain": "42"}, "metadata": {}, "execution_count": 1},
+            ),
+        ]
+        status = k.run("%themisto status").of("stream")[0]["text"]
+        assert "store: None" in status
+        assert int(status.split("errors: ")[1].split()[0]) >= 1
+    finally:
+        k.shutdown()

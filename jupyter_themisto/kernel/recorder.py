@@ -155,9 +155,12 @@ class ThemistoRecorder(LoggingConfigurable):
         self._install_deferral()
         atexit.register(self._at_exit)
         self._registered = True
-        self._open_store()
-        if self.store is not None:
-            self._ensure_trajectory()
+        try:
+            if self._open_store() is not None:
+                self._ensure_trajectory()
+        except Exception as e:
+            # Retried at the first execution; loading must not fail the person's cell.
+            self._report("cannot start the trajectory", e)
 
     def unregister(self) -> None:
         if not self._registered:

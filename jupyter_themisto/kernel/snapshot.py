@@ -35,7 +35,7 @@ own store connection, calls `gc.freeze()` (the kernel's collections then do not 
 child's copy-on-write pages) and forks. The child ignores SIGINT, leaves the kernel's process
 group (ipykernel terminates that group's processes at shutdown; a snapshot should outlive the
 kernel by the moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its
-priority (nice 10), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's
+priority (nice 19), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's
 output into the person's cell), disables gc (a collected file object would flush), serializes
 and writes with its own store connection, and leaves with `os._exit`. The kernel reaps
 children without blocking at the start and end of each cell and unfreezes gc when none is
@@ -64,7 +64,7 @@ from ..redaction import REDACTED_REASON, is_secret_name
 # Exit codes of the snapshot child.
 _CHILD_OK = 0
 _CHILD_FAILED = 3
-_CHILD_NICE = 10
+_CHILD_NICE = 19
 
 _SMALL_CONTAINER = 1000
 
@@ -686,7 +686,7 @@ class SnapshotManager:
                 resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))
             except (OSError, ValueError, ImportError):
                 pass
-            # The kernel comes first; not 19, which starves the child on a busy machine.
+            # The kernel comes first: the child takes leftover CPU (renice at kernel exit).
             try:
                 os.nice(_CHILD_NICE)
             except OSError:
