@@ -133,7 +133,9 @@ def start_server(tmp: Path, store_path: Path, port: int) -> subprocess.Popen:
         f"--ServerApp.root_dir={root}",
         "--ServerApp.log_level=WARN",
     ]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # A file, not a pipe: a pipe nobody reads would block the server once it fills up.
+    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - closed with the temporary folder
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def suggestions(sse: str) -> list[str]:
@@ -177,7 +179,8 @@ async def main(n_requests: int, concurrency: int) -> None:
                         pass
                     await asyncio.sleep(0.1)
                 else:
-                    raise SystemExit(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+                    log = (tmp / "server.log").read_text(errors="replace")[-2000:]
+                    raise SystemExit(f"server did not start: {log}")
                 url = f"{base}/themisto/predict/next-cell"
                 first = await client.post(url, json=body)  # builds the index
                 expected = suggestions(first.text)
