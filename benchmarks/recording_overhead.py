@@ -146,7 +146,7 @@ def run_notebook(nb_path: Path, mode: str, workdir: Path, think: float = 0.0) ->
     if mode == "kishu":
         env["KISHU_PATH_ROOT"] = str(run_dir)
         env["TEST_NOTEBOOK_PATH"] = str(local_nb)
-        env["KISHU_TEST_MODE"] = "true"
+        env["ENV_KISHU_TEST_MODE"] = "true"  # no frontend here: skip its notebook saving
     kernel = Kernel(env, extra, str(run_dir))
     result: dict[str, Any] = {"seconds": [], "errors": [], "naive": []}
     try:
