@@ -213,6 +213,8 @@ class ThemistoRecorder(LoggingConfigurable):
         self._handler_patch = None
 
     def _at_exit(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a fork of the kernel (e.g. the output preview sandbox) leaving
         # The last execution of a kernel shut down right after its reply: no fork at exit.
         self.snapshots.exiting = True
         self.flush_pending()
