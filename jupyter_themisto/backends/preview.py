@@ -14,6 +14,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import zmq
+from jupyter_client.session import Session
+
 from ..context import PredictionContext, outputs_to_text
 from .base import (
     BackendError,
@@ -48,7 +51,6 @@ class PreviewPredictor(Predictor):
         if self.fallback_name == self.name:
             raise ValueError("preview: the fallback backend cannot be preview itself")
         self._fallback: Predictor | None = None
-        self._clients: dict[str, Any] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         #: what the last preview reported (for the host's logs and for tests)
         self.last_reply: dict[str, Any] | None = None
@@ -66,13 +68,31 @@ class PreviewPredictor(Predictor):
                 raise NoPrediction(f"no running kernel {kernel_id!r}") from None
         return km  # a single KernelManager
 
-    def _client(self, kernel_id: str, kernel: Any) -> Any:
-        kc = self._clients.get(kernel_id)
-        if kc is None:
-            kc = kernel.client()
-            kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-            self._clients[kernel_id] = kc
-        return kc
+    @staticmethod
+    def _roundtrip(info: dict[str, Any], content: dict[str, Any], timeout: float) -> dict:
+        """Send one execute_request on a socket of its own and wait for its reply (in a worker
+        thread: a plain zmq socket, not the server's asyncio ones, whose un-awaited sends can
+        stall)."""
+        session = Session(
+            key=info["key"], signature_scheme=info["signature_scheme"], username="themisto"
+        )
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        try:
+            sock.connect(f"{info['transport']}://{info['ip']}:{info['shell_port']}")
+            msg = session.msg("execute_request", content)
+            session.send(sock, msg)
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sock.poll(int(remaining * 1000)):
+                    raise BackendTimeout("the kernel did not answer the preview request")
+                _, parts = session.feed_identities(sock.recv_multipart())
+                reply = session.deserialize(parts)
+                if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                    return reply
+        finally:
+            sock.close()
 
     async def run_preview(self, kernel_id: str, source: str) -> dict[str, Any]:
         """The kernel's preview reply for `source` (see kernel/preview.py for its fields)."""
@@ -85,34 +105,23 @@ class PreviewPredictor(Predictor):
         if lock.locked():
             raise NoPrediction("kernel busy: another preview is running")
         async with lock:
-            kc = self._client(kernel_id, kernel)
             expr = (
                 "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
                 f".run_preview({source!r}, timeout={self.timeout!r}, "
                 f"memory_mb={self.memory_mb!r}, cpu_seconds={self.cpu_seconds!r})"
             )
-            msg_id = kc.execute(
-                "",
-                silent=True,
-                store_history=False,
-                user_expressions={"preview": expr},
-                allow_stdin=False,
-                stop_on_error=False,
-            )
+            content = {
+                "code": "",
+                "silent": True,
+                "store_history": False,
+                "user_expressions": {"preview": expr},
+                "allow_stdin": False,
+                "stop_on_error": False,
+            }
             # The child is killed after `timeout`; the rest is fork, JSON and messaging.
-            deadline = time.monotonic() + self.timeout + 30
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise BackendTimeout("the kernel did not answer the preview request")
-                try:
-                    msg = await kc.get_shell_msg(timeout=remaining)
-                except Exception as e:  # queue.Empty on timeout
-                    if type(e).__name__ == "Empty":
-                        continue
-                    raise
-                if msg["parent_header"].get("msg_id") == msg_id:
-                    break
+            msg = await asyncio.to_thread(
+                self._roundtrip, kernel.get_connection_info(), content, self.timeout + 30
+            )
         content = msg["content"]
         if content.get("status") != "ok":
             raise BackendError(f"the kernel refused the preview: {content.get('evalue', '')}")
@@ -177,11 +186,5 @@ class PreviewPredictor(Predictor):
         return {"ok": True, "detail": "ready (runs cells in a sandboxed fork of the kernel)"}
 
     async def aclose(self) -> None:
-        for kc in self._clients.values():
-            try:
-                kc.stop_channels()
-            except Exception:
-                pass
-        self._clients.clear()
         if self._fallback is not None:
             await self._fallback.aclose()

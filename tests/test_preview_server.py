@@ -1,0 +1,148 @@
+"""The preview backend through the real server: POST /themisto/predict/output with a live,
+auto-recorded kernel; stopped previews fall back or say why; a busy kernel is not queued on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nbformat
+import pytest
+
+from jupyter_themisto.store import TrajectoryStore
+
+
+@pytest.fixture
+def fallback():
+    return None
+
+
+@pytest.fixture
+def jp_server_config(store_path, fallback):
+    settings = {"timeout": 5.0}
+    if fallback:
+        settings["fallback"] = fallback
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
+        "ThemistoExtensionApp": {"auto_record": True, "backend_settings": {"preview": settings}},
+    }
+
+
+def parse_sse(text: str) -> list[tuple[str, dict]]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+        events.append((name, data))
+    return events
+
+
+async def wait_for(predicate, timeout=60.0):
+    for _ in range(int(timeout / 0.1)):
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError("timed out waiting")
+
+
+async def run_cell(jp_serverapp, kernel_id, code, **kw) -> dict:
+    """Run a cell as the person would, through a client of its own; the reply content."""
+    kc = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute(code, reply=True, timeout=60, **kw)
+        assert reply["content"]["status"] == "ok"
+        return reply["content"]
+    finally:
+        kc.stop_channels()
+
+
+async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: str) -> str:
+    """A notebook session whose kernel ran `setup` and recorded it."""
+    nb = nbformat.v4.new_notebook()
+    nbformat.write(nb, str(jp_root_dir / "p.ipynb"))
+    body = {"path": "p.ipynb", "type": "notebook", "name": "p.ipynb", "kernel": {"name": "python3"}}
+    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
+    kernel_id = json.loads(r.body)["kernel"]["id"]
+    app = jp_serverapp.web_app.settings["themisto_app"]
+    await wait_for(lambda: kernel_id in app.auto_recorder.outcomes)
+    await run_cell(jp_serverapp, kernel_id, setup)
+    store = TrajectoryStore(store_path)
+    try:
+        await wait_for(lambda: store.latest_trajectory_for_kernel(kernel_id))
+    finally:
+        store.close()
+    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    await wait_for(lambda: kernel.execution_state == "idle")
+    return kernel_id
+
+
+async def predict(jp_fetch, kernel_id, source):
+    body = {"kernel_id": kernel_id, "source": source, "backend": "preview"}
+    r = await jp_fetch(
+        "themisto", "predict", "output", method="POST", body=json.dumps(body), request_timeout=120
+    )
+    return parse_sse(r.body.decode())
+
+
+async def test_preview_through_the_server(jp_fetch, jp_serverapp, jp_root_dir, store_path):
+    kernel_id = await live_kernel(
+        jp_fetch, jp_serverapp, jp_root_dir, store_path, "xs = [1, 2]\nprint('set up')"
+    )
+    try:
+        r = await jp_fetch("themisto", "backends")
+        preview = [b for b in json.loads(r.body)["backends"] if b["name"] == "preview"]
+        assert preview and preview[0]["tasks"] == ["output"] and preview[0]["health"]["ok"]
+
+        events = await predict(jp_fetch, kernel_id, "xs.append(3)\nprint('hello')\nxs")
+        assert events[0][0] == "meta" and events[0][1]["backend"] == "preview"
+        text = "".join(d["text"] for name, d in events if name == "chunk")
+        assert text == "hello\n[1, 2, 3]\n"
+        assert events[-1][0] == "done"
+
+        # Stopped: no fallback configured, so the reason is the answer; nothing was written.
+        events = await predict(jp_fetch, kernel_id, "open('results.csv', 'w').write('1')")
+        reasons = [d["reason"] for name, d in events if name == "no_prediction"]
+        assert reasons and reasons[0].startswith("preview stopped: the cell would write "), events
+        assert "results.csv" in reasons[0]
+        assert not (jp_root_dir / "results.csv").exists()
+
+        # Busy: a running cell is never queued behind.
+        kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+        sleep = run_cell(jp_serverapp, kernel_id, "import time; time.sleep(6)")
+        sleeping = asyncio.create_task(sleep)
+        await wait_for(lambda: kernel.execution_state == "busy")
+        # The new client's kernel_info_request is busy for a moment too: outlast it.
+        await asyncio.sleep(1.0)
+        await wait_for(lambda: kernel.execution_state == "busy")
+        events = await predict(jp_fetch, kernel_id, "xs")
+        assert [n for n, _ in events if n == "no_prediction"], events
+        assert "kernel busy" in [d for n, d in events if n == "no_prediction"][0]["reason"]
+
+        # The person's namespace is untouched by the previews.
+        await sleeping
+        reply = await run_cell(jp_serverapp, kernel_id, "", user_expressions={"v": "xs"})
+        assert reply["user_expressions"]["v"]["data"]["text/plain"] == "[1, 2]"
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize("fallback", ["repeat-previous"])
+async def test_stopped_preview_falls_back(jp_fetch, jp_serverapp, jp_root_dir, store_path):
+    kernel_id = await live_kernel(
+        jp_fetch, jp_serverapp, jp_root_dir, store_path, "print('recorded output')"
+    )
+    try:
+        events = await predict(jp_fetch, kernel_id, "import subprocess; subprocess.run(['ls'])")
+        assert events[0] == ("meta", events[0][1]) and events[0][1]["backend"] == "preview"
+        text = "".join(d["text"] for name, d in events if name == "chunk")
+        # repeat-previous predicts the last recorded output.
+        assert text == "recorded output\n"
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
