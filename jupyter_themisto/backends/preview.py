@@ -76,7 +76,7 @@ class PreviewPredictor(Predictor):
         session = Session(
             key=info["key"], signature_scheme=info["signature_scheme"], username="themisto"
         )
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         sock.linger = 0
         try:
             sock.connect(f"{info['transport']}://{info['ip']}:{info['shell_port']}")

@@ -289,20 +289,25 @@ def run_preview(
     t0 = time.perf_counter()
     rfd, wfd = os.pipe()
     # Objects the child does not touch keep sharing their pages (no copy-on-write by the GC).
-    gc.freeze()
+    # (Left alone if someone else froze objects: unfreezing would undo theirs.)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
             pid = os.fork()
     except BaseException:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
         os.close(rfd)
         os.close(wfd)
         raise
     if pid == 0:
         os.close(rfd)
         _child(shell, source, wfd, timeout, memory_mb, cpu_seconds)
-    gc.unfreeze()
+    if freeze:
+        gc.unfreeze()
     fork_ms = (time.perf_counter() - t0) * 1000
     os.close(wfd)
     chunks: list[bytes] = []
