@@ -300,3 +300,41 @@ def test_dataframe_head_equals_the_real_output_byte_for_byte(kernel):
     assert kernel.preview("df.shape;")["outputs"] == []
     err = kernel.preview("1 / 0")["outputs"]
     assert err[0]["ename"] == "ZeroDivisionError" and err[0]["evalue"] == "division by zero"
+
+
+def test_interrupting_the_kernel_kills_the_preview(kernel):
+    import psutil
+
+    expr = (
+        "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
+        ".run_preview('while True: pass', timeout=60.0)"
+    )
+    proc = psutil.Process(kernel.km.provisioner.process.pid)
+
+    def running_children() -> list:
+        # (the recorder's finished snapshot children may linger as zombies)
+        return [c for c in proc.children() if c.status() != psutil.STATUS_ZOMBIE]
+
+    deadline = time.monotonic() + 30
+    while running_children():  # the recorder's snapshot of the last real cell
+        assert time.monotonic() < deadline, running_children()
+        time.sleep(0.05)
+    msg_id = kernel.kc.execute(
+        "", silent=True, store_history=False, user_expressions={"p": expr}, allow_stdin=False
+    )
+    while not running_children():
+        assert time.monotonic() < deadline, "the preview child never started"
+        time.sleep(0.05)
+    started = time.monotonic()
+    kernel.km.interrupt_kernel()
+    while True:
+        reply = kernel.kc.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    assert time.monotonic() - started < 20  # not the preview's 60 s timeout
+    assert reply["content"]["user_expressions"]["p"]["ename"] == "KeyboardInterrupt"
+    deadline = time.monotonic() + 10
+    while running_children():
+        assert time.monotonic() < deadline, running_children()
+        time.sleep(0.05)
+    assert kernel.value("xs") == "[1, 2, 3]"

@@ -314,6 +314,7 @@ def run_preview(
     killed: str | None = None
     status = 0
     memory_ok = sandbox.private_memory(pid) is not None
+    finished = False
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -333,17 +334,19 @@ def run_preview(
                 if used is not None and used > memory_mb * 2**20:
                     killed = "memory"
                     break
+        finished = True
     finally:
         os.close(rfd)
-        if killed:
-            os.kill(pid, signal.SIGKILL)
+        # Killed past its limits, or the kernel was interrupted while waiting: never leave it.
+        if killed or not finished:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             _, status = os.waitpid(pid, 0)
         except ChildProcessError:  # someone else reaped it; the pipe tells what happened
             status = 0
-        except BaseException:
-            os.kill(pid, signal.SIGKILL)
-            raise
     payload = b"".join(chunks)
     reply: dict[str, Any]
     try:
