@@ -183,7 +183,20 @@ class PreviewPredictor(Predictor):
     async def health(self) -> dict[str, Any]:
         if self.env.kernel_manager is None:
             return {"ok": False, "detail": "needs a live kernel (no kernel manager)"}
-        return {"ok": True, "detail": "ready (runs cells in a sandboxed fork of the kernel)"}
+        layers = []
+        try:
+            import landlock
+
+            layers.append(f"Landlock ABI {landlock.landlock_abi_version()}")
+        except Exception as e:
+            layers.append(f"Landlock unavailable ({e})")
+        try:
+            import pyseccomp  # noqa: F401 - loads libseccomp
+
+            layers.append("seccomp")
+        except Exception as e:
+            layers.append(f"seccomp unavailable ({e})")
+        return {"ok": True, "detail": "ready: sandboxed fork of the kernel; " + ", ".join(layers)}
 
     async def aclose(self) -> None:
         if self._fallback is not None:
