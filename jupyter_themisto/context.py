@@ -151,7 +151,7 @@ def build_context(
     token_budget: int | None = DEFAULT_TOKEN_BUDGET,
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
     max_variables: int = DEFAULT_MAX_VARIABLES,
-    **ids: str | None,
+    **ids: Any,
 ) -> PredictionContext:
     """A context from store-shaped rows: executions (as list_executions gives them) and the
     variables of the latest snapshot (as get_variables gives them).
@@ -288,3 +288,47 @@ def render_prompt(ctx: PredictionContext, task: str) -> tuple[str, str]:
         raise ValueError(f"unknown task {task!r}: expected 'next-cell' or 'output'")
     body += "# The next cell:\n"
     return NEXT_CELL_INSTRUCTIONS, body
+
+
+def completion_prompt(ctx: PredictionContext, task: str) -> tuple[str, list[str]]:
+    """(prompt, stop strings) for a small model that continues text rather than chats.
+
+    Each task gets the shape such models have seen most often. The next cell continues a
+    Jupytext "percent" script (each cell behind a "# %%" line, outputs and live variables as
+    comments); an output continues a Python console session (">>> " and "... " before each
+    cell's lines, then what it printed). The stop strings end the answer at the next cell.
+    """
+    variables = [variable_line(v) for v in ctx.variables] if ctx.with_runtime else []
+    if task == "next-cell":
+        lines = [f"# Notebook: {ctx.notebook_path}"] if ctx.notebook_path else []
+        for c in ctx.cells:
+            if c.cell_type == "markdown":
+                lines.append("# %% [markdown]")
+                lines.extend("# " + line for line in c.source.splitlines())
+                continue
+            lines += ["# %%", c.source.rstrip()]
+            out = c.output_text.rstrip().splitlines()
+            lines.extend(("# Out: " if i == 0 else "# ") + line for i, line in enumerate(out))
+            lines.append("")
+        if variables:
+            lines.append("# Live variables (most recently changed first):")
+            lines.extend("#   " + v for v in variables)
+            lines.append("")
+        return "\n".join(lines + ["# %%", ""]), ["# %%", "\n# Out"]
+    if task != "output":
+        raise ValueError(f"unknown task {task!r}: expected 'next-cell' or 'output'")
+
+    def console(source: str) -> list[str]:
+        src = source.rstrip().splitlines() or [""]
+        return [">>> " + src[0]] + ["... " + line for line in src[1:]]
+
+    lines = []
+    for c in ctx.cells:
+        if c.cell_type != "code" or c.status == "not run":
+            continue
+        lines += console(c.source)
+        if c.output_text.strip():
+            lines.append(c.output_text.rstrip())
+    lines.extend(">>> # " + v for v in variables)
+    lines += console(ctx.target_source or "")
+    return "\n".join(lines + [""]), [">>> "]

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from jupyter_themisto.backends import BackendError, BackendTimeout, BackendUnavailable
-from jupyter_themisto.backends._http import FenceStripper, retry_after_seconds, strip_code_fences
+from jupyter_themisto.backends._http import retry_after_seconds
+from jupyter_themisto.backends._text import FenceStripper, strip_code_fences
 from jupyter_themisto.backends.openai import OpenAIPredictor
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
 from tests.peers import Fault, OpenAIPeer, free_port

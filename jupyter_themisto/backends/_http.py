@@ -1,4 +1,4 @@
-"""Shared plumbing of the HTTP model backends: SSE, retries, errors, code-fence stripping."""
+"""Shared plumbing of the HTTP model backends: SSE, retries, errors."""
 
 from __future__ import annotations
 
@@ -69,55 +69,6 @@ def parse_json(data: str, what: str) -> Any:
         return json.loads(data)
     except ValueError as e:
         raise BackendError(f"the model server sent malformed JSON in {what}: {e}") from e
-
-
-class FenceStripper:
-    """Removes Markdown code fences from streamed model text, a line at a time.
-
-    Models asked for bare code still often answer "```python\\n…\\n```"; inserting that into a
-    cell is a known annoyance. A leading fence line is dropped, and everything from a closing
-    fence line on (often an explanation) too. Text is held back only until its line ends.
-    """
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._started = False
-        self._closed = False
-
-    def feed(self, text: str) -> str:
-        if self._closed:
-            return ""
-        self._buf += text
-        out: list[str] = []
-        while "\n" in self._buf and not self._closed:
-            line, self._buf = self._buf.split("\n", 1)
-            out.append(self._line(line, complete=True))
-        return "".join(out)
-
-    def finish(self) -> str:
-        if self._closed:
-            return ""
-        rest, self._buf = self._buf, ""
-        return self._line(rest, complete=False) if rest else ""
-
-    def _line(self, line: str, *, complete: bool) -> str:
-        fence = line.strip().startswith("```")
-        if not self._started:
-            if not line.strip() and complete:
-                return ""  # leading blank lines
-            self._started = True
-            if fence:
-                return ""
-        elif fence:
-            self._closed = True
-            return ""
-        return line + ("\n" if complete else "")
-
-
-def strip_code_fences(text: str) -> str:
-    """The whole-text form of FenceStripper."""
-    s = FenceStripper()
-    return s.feed(text) + s.finish()
 
 
 class HTTPPredictor(Predictor):

@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..context import PredictionContext, render_prompt
-from ._http import FenceStripper, HTTPPredictor, parse_json
+from ._http import HTTPPredictor, parse_json
+from ._text import FenceStripper
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk
 
 ANTHROPIC_VERSION = "2023-06-01"

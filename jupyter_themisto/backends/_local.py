@@ -1,0 +1,233 @@
+"""Shared plumbing of the in-process model backends (llamacpp, seq2seq).
+
+A model is loaded once per process and shared by every backend instance that names the same
+files; it generates one answer at a time (others wait their turn in their own thread);
+generation runs in a worker thread whose text is streamed to the event loop; closing the stream
+(the client went away, a newer request superseded it) stops the generation at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
+from typing import Any
+
+from ..context import PredictionContext, completion_prompt
+from ._text import FenceStripper, StopScanner
+from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
+
+#: generate(prompt, stops, max_tokens, temperature, seed, cancelled) -> text pieces
+Generate = Callable[[str, list[str], int, float, int, threading.Event], Iterator[str]]
+
+
+class SharedModel:
+    """A loaded model and the lock that lets one generation run on it at a time."""
+
+    def __init__(self, model: Any, load_seconds: float) -> None:
+        self.model = model
+        self.load_seconds = load_seconds
+        self.lock = threading.Lock()
+        self.generations = 0
+
+
+_models: dict[Hashable, SharedModel] = {}
+_models_lock = threading.Lock()
+
+
+def shared_model(key: Hashable, load: Callable[[], Any]) -> SharedModel:
+    """The model for `key`, loaded by `load()` the first time any backend asks for it."""
+    with _models_lock:
+        found = _models.get(key)
+        if found is None:
+            if not _models:
+                atexit.register(_close_models)
+            start = time.perf_counter()
+            found = SharedModel(load(), time.perf_counter() - start)
+            _models[key] = found
+        return found
+
+
+def _close_models() -> None:
+    # Free native models while the interpreter is whole (llama.cpp's finalizers fail later).
+    with _models_lock:
+        for shared in _models.values():
+            close = getattr(shared.model, "close", None)
+            if callable(close):
+                close()
+        _models.clear()
+
+
+def loaded_models() -> list[Hashable]:
+    """Keys of the models loaded in this process (for health details and tests)."""
+    with _models_lock:
+        return list(_models)
+
+
+async def stream_from_thread(
+    model: SharedModel, produce: Callable[[threading.Event], Iterator[str]]
+) -> AsyncGenerator[str, None]:
+    """Run `produce(cancelled)` in a worker thread holding `model.lock`; yield its pieces.
+
+    Closing this iterator sets `cancelled`: `produce` must check it between tokens. A request
+    cancelled while it still waits for the lock never starts generating.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def put(kind: str, value: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is gone: nobody is listening any more
+            cancelled.set()
+
+    def work() -> None:
+        try:
+            with model.lock:
+                if cancelled.is_set():
+                    return
+                model.generations += 1
+                for piece in produce(cancelled):
+                    if cancelled.is_set():
+                        break
+                    put("text", piece)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting side
+            put("error", e)
+        finally:
+            put("end", None)
+
+    worker = threading.Thread(target=work, name="themisto-generate", daemon=True)
+    worker.start()
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "text":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                return
+    finally:
+        cancelled.set()
+
+
+def default_threads() -> int:
+    """Threads for CPU inference: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class LocalModelPredictor(Predictor):
+    """Base of backends that run a model in this process.
+
+    Subclasses implement `shared()` (the SharedModel, loaded on first use) and `produce()`
+    (the text pieces of one completion of a prompt). Prompts are the completion-style notebook
+    script of `context.completion_prompt`, tuned per task: the next cell is continued from
+    "# In[n]:", an output from "# Out[n]:" under the cell; both end at the next cell boundary.
+
+    Settings: max_tokens (next cell, default 128), output_max_tokens (default 128),
+    temperature (default 0: greedy; later suggestions of a ranked list are sampled at
+    sample_temperature, default 0.8), seed (default 0).
+    """
+
+    def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
+        super().__init__(config, env)
+        c = self.config
+        self.max_tokens = int(c.get("max_tokens", 128))
+        self.output_max_tokens = int(c.get("output_max_tokens", 128))
+        self.temperature = float(c.get("temperature", 0.0))
+        self.sample_temperature = float(c.get("sample_temperature", 0.8))
+        self.seed = int(c.get("seed", 0))
+        for key in ("max_tokens", "output_max_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{self.name} backend: {key} must be at least 1")
+
+    def shared(self) -> SharedModel:
+        raise NotImplementedError
+
+    def produce(
+        self,
+        model: SharedModel,
+        prompt: str,
+        stops: list[str],
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        cancelled: threading.Event,
+    ) -> Iterator[str]:
+        raise NotImplementedError
+
+    async def _model(self) -> SharedModel:
+        # Loading takes long enough (a model file, weights) to keep it off the event loop.
+        return await asyncio.to_thread(self.shared)
+
+    async def _complete(
+        self, prompt: str, stops: list[str], max_tokens: int, temperature: float, seed: int
+    ) -> AsyncIterator[str]:
+        """Streamed text of one answer, cut at the cell boundary, code fences removed."""
+        model = await self._model()
+        scanner = StopScanner(stops)
+        fences = FenceStripper()
+
+        def produce(cancelled: threading.Event) -> Iterator[str]:
+            return self.produce(model, prompt, stops, max_tokens, temperature, seed, cancelled)
+
+        pieces = stream_from_thread(model, produce)
+        try:
+            async for piece in pieces:
+                text = fences.feed(scanner.feed(piece))
+                if text:
+                    yield text
+                if scanner.stopped:
+                    break
+        finally:
+            await pieces.aclose()
+        rest = fences.feed(scanner.finish()) + fences.finish()
+        if rest:
+            yield rest
+
+    async def predict_next_cell(
+        self, ctx: PredictionContext, *, n: int = 1
+    ) -> AsyncIterator[NextCellChunk]:
+        prompt, stops = completion_prompt(ctx, "next-cell")
+        seen: set[str] = set()
+        rank = 0
+        for attempt in range(max(1, n)):
+            temperature = self.temperature if attempt == 0 else self.sample_temperature
+            parts: list[str] = []
+            async for text in self._complete(
+                prompt, stops, self.max_tokens, temperature, self.seed + attempt
+            ):
+                if attempt == 0:  # the best suggestion streams; samples come whole, deduplicated
+                    yield NextCellChunk(index=rank, text=text)
+                parts.append(text)
+            suggestion = "".join(parts)
+            if attempt == 0:
+                if not suggestion.strip():
+                    raise NoPrediction(f"the {self.name} model suggested an empty cell")
+                seen.add(suggestion.strip())
+                yield NextCellChunk(index=rank, text="", done=True)
+                rank += 1
+            elif suggestion.strip() and suggestion.strip() not in seen:
+                seen.add(suggestion.strip())
+                yield NextCellChunk(index=rank, text=suggestion, done=True)
+                rank += 1
+
+    async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
+        if not (ctx.target_source or "").strip():
+            raise NoPrediction("there is no cell source to predict the output of")
+        prompt, stops = completion_prompt(ctx, "output")
+        got = False
+        async for text in self._complete(
+            prompt, stops, self.output_max_tokens, self.temperature, self.seed
+        ):
+            got = True
+            yield OutputChunk(text=text)
+        if not got:
+            raise NoPrediction(f"the {self.name} model predicts no output for this cell")
