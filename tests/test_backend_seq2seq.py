@@ -129,7 +129,7 @@ async def test_output_prediction_equals_transformers_generate(model_dir):
     ctx = session(target_source="x.mean()")
     text = "".join([c.text async for c in backend.predict_output(ctx)])
     prompt, stops = completion_prompt(ctx, "output")
-    assert prompt.endswith("x.mean()\n# Out[3]:\n")
+    assert prompt.endswith(">>> x.mean()\n")
     assert text == reference(model_dir, prompt, stops, 12)
 
 

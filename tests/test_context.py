@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from jupyter_themisto.backends._text import StopScanner
 from jupyter_themisto.context import (
+    ContextCell,
+    PredictionContext,
+    VariableInfo,
     build_context,
+    completion_prompt,
     estimate_tokens,
     render_context,
     render_prompt,
@@ -133,3 +138,56 @@ def test_notebook_code_cells_stand_in_when_nothing_ran_yet():
     # Once cells ran, the recorded executions are the code context.
     ran = build_context([{"source": "x = 1"}], notebook_cells=nb)
     assert [c.source for c in ran.cells] == ["# Intro", "x = 1"]
+
+
+def completion_ctx(**kw):
+    return PredictionContext(
+        cells=[
+            ContextCell(source="Load the data", cell_type="markdown"),
+            ContextCell(source="import pandas as pd", execution_count=1),
+            ContextCell(
+                source="for i in range(2):\n    print(i)", output_text="0\n1\n", execution_count=2
+            ),
+        ],
+        variables=[VariableInfo(name="i", type="int", summary={"repr": "1"})],
+        **kw,
+    )
+
+
+def test_completion_prompt_next_cell_is_an_open_percent_cell():
+    prompt, stops = completion_prompt(completion_ctx(notebook_path="a.ipynb"), "next-cell")
+    assert prompt == (
+        "# Notebook: a.ipynb\n"
+        "# %% [markdown]\n# Load the data\n"
+        "# %%\nimport pandas as pd\n\n"
+        "# %%\nfor i in range(2):\n    print(i)\n# Out: 0\n# 1\n\n"
+        "# Live variables (most recently changed first):\n#   i: int = 1\n\n"
+        "# %%\n"
+    )
+    assert stops == ["# %%", "\n# Out"]
+    without, _ = completion_prompt(completion_ctx(with_runtime=False), "next-cell")
+    assert "Live variables" not in without and without.endswith("# 1\n\n# %%\n")
+
+
+def test_completion_prompt_output_is_a_console_session():
+    ctx = completion_ctx(target_source="x = i + 1\nx")
+    prompt, stops = completion_prompt(ctx, "output")
+    assert prompt == (
+        ">>> import pandas as pd\n"
+        ">>> for i in range(2):\n...     print(i)\n0\n1\n"
+        ">>> # i: int = 1\n"
+        ">>> x = i + 1\n... x\n"
+    )
+    assert stops == [">>> "]
+    with pytest.raises(ValueError, match="unknown task"):
+        completion_prompt(ctx, "poem")
+
+
+def test_stop_scanner_cuts_across_chunks():
+    s = StopScanner(["# %%", "\n# Out"])
+    pieces = [s.feed(t) for t in ["df.head()\n", "#", " ", "%", "% next"]]
+    assert "".join(pieces) == "df.head()\n" and s.stopped
+    assert s.feed("more") == "" and s.finish() == ""
+    s = StopScanner([">>> "])
+    assert s.feed("(3, 2)\n>") == "(3, 2)\n"  # ">" may begin a stop: held back
+    assert s.feed("x") == ">x" and s.finish() == "" and not s.stopped
