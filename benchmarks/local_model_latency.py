@@ -5,8 +5,9 @@ loaded once per server process; the server's memory with the model loaded.
 
 1. In process, through LlamaCppPredictor on a 12-cell context from a benchmark notebook:
    model load time; time to first token and to the whole suggestion, cold (the model's prompt
-   cache emptied first) and warm (the same context again: llama.cpp reuses the shared
-   prefix); and 64 tokens generated back to back (end of text banned, no stops).
+   cache emptied first), warm (the same context again: llama.cpp reuses the shared prefix)
+   and as in a session (one cell more than the previous request); and 64 tokens generated
+   back to back (end of text banned, no stops).
 2. Through a real `jupyter server` with the extension: its RSS before and after the first
    llamacpp request, the first request (which loads the model) against the next ones, and
    its RSS after them all (flat: loaded once).
@@ -89,9 +90,19 @@ async def in_process(repeat: int) -> None:
         first, total, _ = await timed_suggestion(backend, ctx)
         warm_first.append(first)
         warm_total.append(total)
+    # A session: the person runs one more cell, then asks again; llama.cpp re-evaluates only
+    # what follows the prefix the two prompts share (the new cell, the variables).
+    session_first = []
+    cells = notebook_cells(12)
+    for k in range(6, 13):
+        llm.reset()
+        await timed_suggestion(backend, context(cells[: k - 1]))
+        first, _, _ = await timed_suggestion(backend, context(cells[:k]))
+        session_first.append(first)
     print(f"suggestion ({len(llm.tokenize(text.encode(), add_bos=False))} tokens): {text!r}")
     print(f"time to first token, cold prompt: {ms(cold_first)}")
     print(f"time to first token, warm prompt: {ms(warm_first)}")
+    print(f"time to first token, one new cell since the last request: {ms(session_first)}")
     print(f"whole suggestion, cold prompt:    {ms(cold_total)}")
     print(f"whole suggestion, warm prompt:    {ms(warm_total)}")
 
@@ -135,16 +146,24 @@ async def through_server(repeat: int) -> None:
                 server = psutil.Process(proc.pid)
                 before = server.memory_info().rss
                 url = f"{base}/themisto/predict/next-cell"
-                body = {"trajectory_id": tid, "backend": "llamacpp"}
+                body = {"trajectory_id": tid, "backend": "llamacpp"}  # n: 3 suggestions
                 start = time.perf_counter()
-                text = suggestions((await client.post(url, json=body)).text)[0]
+                answer = (await client.post(url, json=body)).text
+                if '"text"' not in answer:
+                    raise SystemExit(f"no suggestion from the server: {answer}")
+                text = suggestions(answer)[0]
                 first = time.perf_counter() - start
                 loaded = server.memory_info().rss
-                later = []
+                later, later_first = [], []
                 for _ in range(repeat):
                     start = time.perf_counter()
-                    suggestions((await client.post(url, json=body)).text)
+                    first_chunk = None
+                    async with client.stream("POST", url, json={**body, "n": 1}) as r:
+                        async for line in r.aiter_lines():
+                            if first_chunk is None and line == "event: chunk":
+                                first_chunk = time.perf_counter() - start
                     later.append(time.perf_counter() - start)
+                    later_first.append(first_chunk or 0.0)
                 after = server.memory_info().rss
                 health = (await client.get(f"{base}/themisto/backends")).json()
                 detail = next(b for b in health["backends"] if b["name"] == "llamacpp")
@@ -153,9 +172,10 @@ async def through_server(repeat: int) -> None:
             proc.wait(timeout=30)
     mb = 1024 * 1024
     print(f"server RSS before the first llamacpp request: {before / mb:.0f} MB")
-    print(f"first request (loads the model): {first * 1000:.0f} ms -> {text!r}")
+    print(f"first request (loads the model; 3 suggestions): {first * 1000:.0f} ms -> {text!r}")
     print(f"server RSS with the model loaded: {loaded / mb:.0f} MB (+{(loaded - before) / mb:.0f})")
-    print(f"next {repeat} requests (whole answer over HTTP): {ms(later)}")
+    print(f"next {repeat} requests, n=1, first chunk over HTTP: {ms(later_first)}")
+    print(f"next {repeat} requests, n=1, whole answer over HTTP: {ms(later)}")
     print(f"server RSS after them: {after / mb:.0f} MB (loaded once: +{(after - loaded) / mb:.0f})")
     print(f"health: {detail['health']['detail']}")
 

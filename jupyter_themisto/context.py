@@ -300,7 +300,7 @@ def completion_prompt(ctx: PredictionContext, task: str) -> tuple[str, list[str]
     """
     variables = [variable_line(v) for v in ctx.variables] if ctx.with_runtime else []
     if task == "next-cell":
-        lines = [f"# Notebook: {ctx.notebook_path}"] if ctx.notebook_path else []
+        lines: list[str] = []
         for c in ctx.cells:
             if c.cell_type == "markdown":
                 lines.append("# %% [markdown]")

@@ -157,7 +157,6 @@ def completion_ctx(**kw):
 def test_completion_prompt_next_cell_is_an_open_percent_cell():
     prompt, stops = completion_prompt(completion_ctx(notebook_path="a.ipynb"), "next-cell")
     assert prompt == (
-        "# Notebook: a.ipynb\n"
         "# %% [markdown]\n# Load the data\n"
         "# %%\nimport pandas as pd\n\n"
         "# %%\nfor i in range(2):\n    print(i)\n# Out: 0\n# 1\n\n"

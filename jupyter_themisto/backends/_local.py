@@ -195,29 +195,32 @@ class LocalModelPredictor(Predictor):
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
+        """The greedy answer first, streamed; then sampled ones, whole and distinct.
+
+        A small model's greedy answer is sometimes an empty cell (it opens the next cell at
+        once): sampling then stands in for it, with two attempts to spare.
+        """
         prompt, stops = completion_prompt(ctx, "next-cell")
+        wanted = max(1, n)
         seen: set[str] = set()
-        rank = 0
-        for attempt in range(max(1, n)):
+        for attempt in range(wanted + 2):
+            if len(seen) >= wanted:
+                break
             temperature = self.temperature if attempt == 0 else self.sample_temperature
-            parts: list[str] = []
-            async for text in self._complete(
+            text, sent = "", 0
+            async for piece in self._complete(
                 prompt, stops, self.max_tokens, temperature, self.seed + attempt
             ):
-                if attempt == 0:  # the best suggestion streams; samples come whole, deduplicated
-                    yield NextCellChunk(index=rank, text=text)
-                parts.append(text)
-            suggestion = "".join(parts)
-            if attempt == 0:
-                if not suggestion.strip():
-                    raise NoPrediction(f"the {self.name} model suggested an empty cell")
-                seen.add(suggestion.strip())
-                yield NextCellChunk(index=rank, text="", done=True)
-                rank += 1
-            elif suggestion.strip() and suggestion.strip() not in seen:
-                seen.add(suggestion.strip())
-                yield NextCellChunk(index=rank, text=suggestion, done=True)
-                rank += 1
+                text += piece
+                if attempt == 0 and text.strip():
+                    yield NextCellChunk(index=0, text=text[sent:])
+                    sent = len(text)
+            key = text.strip()
+            if key and key not in seen:
+                seen.add(key)
+                yield NextCellChunk(index=len(seen) - 1, text=text[sent:], done=True)
+        if not seen:
+            raise NoPrediction(f"the {self.name} model suggested only empty cells")
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         if not (ctx.target_source or "").strip():
