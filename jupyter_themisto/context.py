@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,9 +297,15 @@ def completion_prompt(ctx: PredictionContext, task: str) -> tuple[str, list[str]
     Each task gets the shape such models have seen most often. The next cell continues a
     Jupytext "percent" script (each cell behind a "# %%" line, outputs and live variables as
     comments); an output continues a Python console session (">>> " and "... " before each
-    cell's lines, then what it printed). The stop strings end the answer at the next cell.
+    cell's lines, then what it printed; of the live variables only those the cell names). The
+    stop strings end the answer at the next cell.
     """
-    variables = [variable_line(v) for v in ctx.variables] if ctx.with_runtime else []
+    shown = ctx.variables if ctx.with_runtime else []
+    if task == "output":
+        # A small model copies what it is shown: only the variables the cell itself names.
+        named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
+        shown = [v for v in shown if v.name in named]
+    variables = [variable_line(v) for v in shown]
     if task == "next-cell":
         lines: list[str] = []
         for c in ctx.cells:

@@ -178,6 +178,8 @@ def test_completion_prompt_output_is_a_console_session():
         ">>> x = i + 1\n... x\n"
     )
     assert stops == [">>> "]
+    unnamed, _ = completion_prompt(completion_ctx(target_source="print(1)"), "output")
+    assert "# i: int" not in unnamed  # only the variables the cell names
     with pytest.raises(ValueError, match="unknown task"):
         completion_prompt(ctx, "poem")
 
