@@ -1,10 +1,11 @@
-"""Benchmark: output-prediction exact match of `preview` against the model-free backends.
+"""Benchmark: output-prediction exact match of `preview` against a model and the baselines.
 
 Runs each notebook of benchmarks/notebooks cell by cell in a real recording kernel. Before a
-cell runs, each backend predicts its output (preview in the live kernel; retrieval and the
-repeat-previous baseline from the trajectory recorded so far); then the cell runs for real
-and the text outputs are compared (exact match, and after masking 0x… addresses). Only
-cells with text output count; a missing prediction counts as a miss.
+cell runs, each backend predicts its output (preview in the live kernel; the llamacpp model
+(SmolLM2), retrieval and the repeat-previous baseline from the trajectory recorded so far);
+then the cell runs for real and the text outputs are compared (exact match, and after masking
+0x… addresses and /tmp paths). Only cells with text output count; a missing prediction counts
+as a miss.
 
 Run: .venv/bin/python benchmarks/preview_exact_match.py [notebooks...]
 """
@@ -29,8 +30,9 @@ from jupyter_themisto.context import build_context, outputs_to_text
 from jupyter_themisto.store import TrajectoryStore
 
 HERE = Path(__file__).parent
-BACKENDS = ("preview", "retrieval", "repeat-previous")
-ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+BACKENDS = ("preview", "llamacpp", "retrieval", "repeat-previous")
+# What differs between two honest runs: object addresses and temporary paths.
+VOLATILE = re.compile(r"0x[0-9a-fA-F]+|/tmp/[^\s'\"]+")
 
 
 async def run_real(kc: Any, code: str) -> list[dict[str, Any]]:
@@ -95,7 +97,7 @@ async def notebook(path: Path, store_path: Path, counts: dict[str, list[int]]) -
                 c[0] += 1
                 c[1] += got is not None
                 c[2] += got == real
-                c[3] += got is not None and ADDRESS.sub("0x", got) == ADDRESS.sub("0x", real)
+                c[3] += got is not None and VOLATILE.sub("~", got) == VOLATILE.sub("~", real)
     finally:
         for b in backends.values():
             await b.aclose()
@@ -112,7 +114,7 @@ async def main() -> None:
             await notebook(path.resolve(), Path(tmp) / f"store{i}.sqlite", counts)
     n = next(iter(counts.values()))[0] if counts else 0
     print(f"{len(paths)} notebooks, {n} cells with text output")
-    print("| backend | answered | exact match | exact match, addresses masked |")
+    print("| backend | answered | exact match | exact match, addresses and temp paths masked |")
     print("|---|---|---|---|")
     for name in BACKENDS:
         total, answered, em, masked = counts.get(name, [0, 0, 0, 0])
