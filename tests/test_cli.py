@@ -131,6 +131,10 @@ def test_record_list_show(recorded):
     r = cli("show", tid, "--json", store=recorded["store"])
     shown = json.loads(r.stdout)
     assert [e["source"] for e in shown["executions"]] == SECOND
+    # --store may follow the subcommand too.
+    r = cli("list", "--json", "--store", str(recorded["store"]))
+    assert r.returncode == 0, r.stderr
+    assert {Path(t["notebook_path"]).name for t in json.loads(r.stdout)} == set(trajs)
 
 
 def test_record_stops_at_an_error_without_allow_errors(tmp_path):
@@ -514,10 +518,20 @@ def test_bad_inputs(recorded, dump, tmp_path):
     # An existing non-empty folder is never overwritten without --force.
     msg = _one_line_error(cli("export", "--out", str(dump), store=store))
     assert "--force" in msg
+    results = tmp_path / "results"
     msg = _one_line_error(
-        cli("evaluate", str(dump), "--backend", "no-such-backend", "--task", "next-cell")
+        cli(
+            "evaluate",
+            str(dump),
+            "--backend",
+            "no-such-backend",
+            "--task",
+            "next-cell",
+            "--out",
+            str(results),
+        )
     )
-    assert "unknown backend" in msg
+    assert "unknown backend" in msg and not results.exists()
     msg = _one_line_error(cli("evaluate", str(dump), "--backend", "retrieval", "--task", "x"))
     assert "unknown task" in msg
     msg = _one_line_error(

@@ -144,5 +144,9 @@ async def test_stopped_preview_falls_back(jp_fetch, jp_serverapp, jp_root_dir, s
         text = "".join(d["text"] for name, d in events if name == "chunk")
         # repeat-previous predicts the last recorded output.
         assert text == "recorded output\n"
+        # The client learns what stopped the preview and which backend stood in.
+        meta = next(d for name, d in events if name == "chunk")["metadata"]["preview"]
+        assert meta["fallback"] == "repeat-previous"
+        assert any("process" in s for s in meta["stopped"])
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 
@@ -349,12 +350,23 @@ async def body_of(coro) -> bytes:
         return e.response.body
 
 
-async def test_planted_key_never_leaks(jp_fetch, store, peer, caplog):
+async def test_planted_key_never_leaks(jp_fetch, jp_serverapp, store, peer, caplog):
     caplog.set_level(logging.DEBUG)
-    tid, _ = make_trajectory(store)
+    # The extension's own log does not propagate to the root logger: listen to it directly.
+    ext_log = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_themisto"])).log
+    ext_lines = io.StringIO()
+    handler = logging.StreamHandler(ext_lines)
+    ext_log.addHandler(handler)
+    level = ext_log.level
+    ext_log.setLevel(logging.DEBUG)
+    tid, ids = make_trajectory(store)
     body = {"trajectory_id": tid, "backend": "openai"}
     bodies = [
         await body_of(jp_fetch("themisto", "backends")),
+        await body_of(jp_fetch("themisto", "trajectories")),
+        await body_of(jp_fetch("themisto", "trajectories", tid)),
+        await body_of(jp_fetch("themisto", "trajectories", tid, "executions")),
+        await body_of(jp_fetch("themisto", "executions", str(ids[-1]), "variables")),
         await body_of(post(jp_fetch, "next-cell", body)),
     ]
     # Real servers echo (part of) a refused key in the error message.
@@ -369,9 +381,13 @@ async def test_planted_key_never_leaks(jp_fetch, store, peer, caplog):
     assert b"malformed JSON" in bodies[-1]
     peer.fail(Fault.hang(3))
     bodies.append(await body_of(post(jp_fetch, "next-cell", body)))
+    ext_log.removeHandler(handler)
+    ext_log.setLevel(level)
     for b in bodies:
         assert PLANTED_KEY not in b.decode()
     assert caplog.text and PLANTED_KEY not in caplog.text
+    # The retries after the 429s went through the extension's log: it was heard, and is clean.
+    assert "retrying" in ext_lines.getvalue() and PLANTED_KEY not in ext_lines.getvalue()
 
 
 async def test_output_waits_for_a_pending_snapshot_and_refuses_a_stale_one(jp_fetch, store):

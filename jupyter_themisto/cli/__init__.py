@@ -28,14 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Record notebook trajectories, export benchmark dumps, evaluate backends.",
     )
     parser.add_argument("--version", action="version", version=__version__)
-    parser.add_argument(
-        "--store",
-        metavar="PATH",
-        help="trajectory store file (default: $THEMISTO_STORE, else the Jupyter data directory)",
-    )
+    store_help = "trajectory store file (default: $THEMISTO_STORE, else the Jupyter data directory)"
+    parser.add_argument("--store", metavar="PATH", help=store_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (record, export, evaluate, listing):
         module.add_parsers(sub)
+    for command in sub.choices.values():
+        # `jupyter themisto record nb.ipynb --store S` works as well as `--store S record …`.
+        command.add_argument("--store", metavar="PATH", default=argparse.SUPPRESS, help=store_help)
     return parser
 
 

@@ -40,7 +40,7 @@ def open_store(args: argparse.Namespace, *, readonly: bool = True) -> Trajectory
 
 
 def progress(total: int | None, desc: str, unit: str = "it", disable: bool = False) -> Any:
-    """A tqdm bar on stderr (hidden when stderr is not a terminal and the work is short)."""
+    """A tqdm bar on stderr (`disable` hides it)."""
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, leave=False)

@@ -465,7 +465,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.limit is not None:
         instances = instances[: max(0, args.limit)]
     out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"
-    out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="themisto-train-") as tmp:
         store = None
         if args.train:
@@ -479,6 +478,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             raise CliError(f"cannot configure backend {args.backend!r}: {e}") from e
         if args.task not in getattr(backend, "tasks", TASKS):
             raise CliError(f"backend {args.backend!r} does not predict {args.task}")
+        out_dir.mkdir(parents=True, exist_ok=True)
         name = run_name(args.task, args.backend, args.with_runtime)
         out_file = out_dir / f"{name}.jsonl"
         done = {k for k, r in _open_results(out_file).items() if "error" not in r}

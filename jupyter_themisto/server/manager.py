@@ -334,7 +334,11 @@ class ThemistoManager:
             if chunk.score is not None:
                 data["score"] = chunk.score
             return Event("chunk", data)
-        return Event("chunk", {"text": chunk.text})
+        data = {"text": chunk.text}
+        if chunk.metadata:
+            # e.g. what a preview was stopped by, its sandbox, the backend that stood in
+            data["metadata"] = chunk.metadata
+        return Event("chunk", data)
 
     async def _rest(
         self,
