@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from jupyter_client.manager import KernelManager
 
+from jupyter_themisto.kernel import sandbox
 from jupyter_themisto.store import TrajectoryStore
 
 
@@ -338,3 +339,11 @@ def test_interrupting_the_kernel_kills_the_preview(kernel):
         assert time.monotonic() < deadline, running_children()
         time.sleep(0.05)
     assert kernel.value("xs") == "[1, 2, 3]"
+
+
+def test_a_preview_without_its_kernel_level_layers_does_not_run():
+    on = {"landlock": "on (ABI 7)", "seccomp": "on", "no_new_privs": "on", "cpu": "on (5 s)"}
+    assert sandbox.missing_layers(on) == []
+    lacking = {**on, "landlock": "unavailable: No module named 'landlock'"}
+    assert sandbox.missing_layers(lacking) == ["landlock (unavailable: No module named 'landlock')"]
+    assert sandbox.missing_layers({}) == ["landlock (not tried)", "seccomp (not tried)"]

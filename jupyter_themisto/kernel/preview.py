@@ -208,9 +208,15 @@ def _child(
         pub.clear_output = clear_output
         reply["sandbox"] = sandbox.lock_down(max_fd=PIPE_FD, cpu_seconds=cpu_seconds)
         reply["sandbox"]["memory"] = f"watched by the kernel ({memory_mb} MB)"
+        missing = sandbox.missing_layers(reply["sandbox"])
         sandbox.install_audit_hook(reply["stopped"])
         started = time.perf_counter()
         try:
+            if missing:
+                # Without them C code could write files or connect: the cell does not run.
+                raise NotImplementedError(
+                    "preview unavailable: this kernel lacks " + ", ".join(missing)
+                )
             _run_cell(shell, source, outputs)
         except sandbox.PreviewStopped:
             pass

@@ -166,6 +166,19 @@ def private_memory(pid: int) -> int | None:
         return None
 
 
+#: the layers a preview never runs without: they stop what the audit hooks cannot see (C code)
+REQUIRED_LAYERS = ("landlock", "seccomp")
+
+
+def missing_layers(state: dict[str, str]) -> list[str]:
+    """The required layers `lock_down` could not put in place, with the reason for each."""
+    return [
+        f"{name} ({state.get(name, 'not tried')})"
+        for name in REQUIRED_LAYERS
+        if not state.get(name, "").startswith("on")
+    ]
+
+
 def lock_down(*, max_fd: int, cpu_seconds: int) -> dict[str, str]:
     """Restrict the calling (forked) process for good; returns each layer's state.
 
