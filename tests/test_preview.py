@@ -20,8 +20,8 @@ class Kernel:
     """A real ipykernel with the recorder loaded; previews go through silent user_expressions,
     exactly as the preview backend sends them."""
 
-    def __init__(self, store_path: Path, cwd: Path) -> None:
-        env = dict(os.environ)
+    def __init__(self, store_path: Path, cwd: Path, **extra_env: str) -> None:
+        env = dict(os.environ, **extra_env)
         env["THEMISTO_STORE"] = str(store_path)
         env["THEMISTO_NOTEBOOK_PATH"] = "preview.ipynb"
         # ipykernel turns off its fd-level output capture under pytest; a real kernel has it,
@@ -347,3 +347,19 @@ def test_a_preview_without_its_kernel_level_layers_does_not_run():
     lacking = {**on, "landlock": "unavailable: No module named 'landlock'"}
     assert sandbox.missing_layers(lacking) == ["landlock (unavailable: No module named 'landlock')"]
     assert sandbox.missing_layers({}) == ["landlock (not tried)", "seccomp (not tried)"]
+
+
+def test_a_kernel_without_landlock_previews_nothing(tmp_path):
+    # A kernel where the Landlock binding cannot be imported (as on a system without it).
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "landlock.py").write_text("raise ImportError('no Landlock binding here')\n")
+    k = Kernel(tmp_path / "store.sqlite", tmp_path, PYTHONPATH=str(shadow))
+    try:
+        reply = k.preview("open('written.txt', 'w').write('x'); print('ran')")
+        assert reply["status"] == "unsupported" and reply["outputs"] == []
+        assert "preview unavailable" in reply["detail"] and "landlock" in reply["detail"]
+        assert reply["sandbox"]["landlock"].startswith("unavailable")
+        assert not (tmp_path / "written.txt").exists()
+    finally:
+        k.close()
