@@ -79,6 +79,7 @@ def test_wheel_ships_the_prebuilt_labextension(wheel: Path) -> None:
             "debounceMs",
             "suggestions",
             "predictOutputs",
+            "outputBackend",
         } <= set(schema["properties"])
         install = json.loads(zf.read(prefix + "install.json"))
         assert install["packageName"] == "jupyter-themisto"
@@ -102,3 +103,20 @@ def test_labextension_list_shows_it_enabled() -> None:
     assert line is not None, listing
     assert "enabled" in line and "OK" in line, line
     assert "disabled" not in line
+
+
+def test_server_extension_list_shows_it_enabled_and_ok() -> None:
+    proc = subprocess.run(
+        [str(VENV_BIN / "jupyter"), "server", "extension", "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    listing = proc.stdout + proc.stderr
+    lines = listing.splitlines()
+    at = next((i for i, ln in enumerate(lines) if "jupyter_themisto" in ln), None)
+    assert at is not None, listing
+    assert "enabled" in lines[at], lines[at]
+    # The line after names the extension app and says it loads ("… OK").
+    assert "OK" in " ".join(lines[at : at + 3]), lines[at : at + 3]

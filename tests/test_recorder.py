@@ -15,7 +15,12 @@ import time
 
 import pytest
 
-from jupyter_themisto.kernel.outputs import BLOB_KEY, TRUNCATION_MARKER, resolve_blob_refs
+from jupyter_themisto.kernel.outputs import (
+    BLOB_KEY,
+    OMITTED_MARKER,
+    TRUNCATION_MARKER,
+    resolve_blob_refs,
+)
 from jupyter_themisto.store import TrajectoryStore
 
 from .test_recorder_kernel import NOTEBOOK, RecordingKernel
@@ -129,6 +134,35 @@ def test_long_output_is_truncated_visibly(kernel):
     (out,) = kernel.execution(done.msg_id)["outputs"]
     assert out["text"].startswith("x" * 2000)
     assert TRUNCATION_MARKER.format(omitted=10_001 - 2000) in out["text"]
+
+
+def test_display_bundles_whole_and_the_execution_bound(kernel):
+    kernel.run("%config ThemistoRecorder.max_execution_output_bytes = 5000")
+    try:
+        done = kernel.run(
+            "from IPython.display import HTML, display\n"
+            "for i in range(5):\n"
+            "    display(HTML(f'<b>{i}</b>' + 'h' * 1200))"
+        )
+    finally:
+        kernel.run("%config ThemistoRecorder.max_execution_output_bytes = 1048576")
+    seen = done.of("display_data")
+    assert len(seen) == 5  # the person sees every display
+    outputs = kernel.execution(done.msg_id)["outputs"]
+    kept = [o for o in outputs if o["output_type"] == "display_data"]
+    # Each kept display is its whole MIME bundle, as the person's frontend got it.
+    assert [o["data"] for o in kept] == [m["data"] for m in seen[: len(kept)]]
+    assert set(kept[0]["data"]) == {"text/html", "text/plain"}
+    # The rest is over the execution's bound: omitted, and said so.
+    assert 1 <= len(kept) < 5
+    marker = OMITTED_MARKER.format(count=5 - len(kept), size=0).split("(")[0]
+    assert outputs[-1]["output_type"] == "stream" and outputs[-1]["text"].startswith(marker)
+
+
+def test_cpu_time_of_a_busy_cell(kernel):
+    done = kernel.run("total = sum(i * i for i in range(3_000_000))")
+    row = kernel.execution(done.msg_id)
+    assert row["cpu_time"] > 0.05 and row["wall_time"] >= row["cpu_time"] * 0.5
 
 
 def test_interrupted_status(kernel):

@@ -320,6 +320,13 @@ async def test_newer_request_supersedes_older(jp_fetch, jp_serverapp, store, pee
     code, msg = await error_of(older)
     assert code == 409 and "superseded" in msg
     assert manager.superseded == 1
+    # The model server saw the superseded request's connection go (its answer, once it came,
+    # had nobody to go to): upstream work is not left running.
+    for _ in range(100):
+        if peer.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert peer.disconnects == ["/v1/chat/completions"]
 
 
 ROUTES = [

@@ -68,6 +68,9 @@ def test_unchanged_variables_cost_no_new_blob(kernel):
             assert v[name]["blob_hash"] == v1[name]["blob_hash"]
             assert v[name]["changed"] is False
         assert v["big"]["fingerprint"] == v1["big"]["fingerprint"] is not None
+    # The array's fingerprint hashes its buffer (not its pickle): the unchanged array was
+    # recognised without being serialized again.
+    assert not v1["big"]["fingerprint"].startswith("pickle:")
     with kernel.store() as store:
         # Only the new small `counter` values were stored.
         assert store.blob_stats()["count"] - blobs_before <= 3
@@ -170,6 +173,29 @@ def test_size_bound_and_inline_mode(kernel):
     off = kernel.run("after_off = 1")
     assert kernel.execution(off.msg_id)["snapshot_status"] == "off"
     kernel.run("%config ThemistoRecorder.snapshot_mode = 'fork'")
+
+
+def test_a_variable_too_slow_to_serialize_is_summarized(kernel):
+    kernel.run("%config ThemistoRecorder.max_variable_seconds = 0.5")
+    try:
+        done = kernel.run(
+            "import time\n"
+            "class Slow:\n"
+            "    def __reduce__(self):\n"
+            "        time.sleep(5)\n"
+            "        return (Slow, ())\n"
+            "slow = Slow()\n"
+            "quick = 7"
+        )
+        kernel.wait_snapshot(done.msg_id)
+    finally:
+        kernel.run("%config ThemistoRecorder.max_variable_seconds = 5.0")
+    row = kernel.execution(done.msg_id)
+    v = kernel.variables(done.msg_id)
+    assert v["slow"]["stub_reason"].startswith("too slow") and v["slow"]["blob_hash"] is None
+    assert v["slow"]["summary"]["repr"].startswith("<__main__.Slow object")
+    assert v["quick"]["blob_hash"] is not None  # the others are stored as usual
+    assert row["snapshot_status"] == "partial"
 
 
 def test_child_bound_skips_then_waits_when_configured(tmp_path):

@@ -382,3 +382,95 @@ def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -
         shot(page, "5-quiet-failure")
     finally:
         lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": '{"debounceMs": 30}'})
+
+
+SETTINGS = "/lab/api/settings/jupyter-themisto:plugin"
+
+
+def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: JupyterLab) -> None:
+    """With the output backend set to preview, the cell runs in a sandboxed copy of the kernel:
+    its output is the prediction; a side effect is stopped and named, and nothing happens."""
+    lab.api("PUT", SETTINGS, {"raw": '{"outputBackend": "preview", "debounceMs": 30}'})
+    try:
+        open_notebook(page, lab, "preview.ipynb")
+        run_cell(page, "y = [1, 2, 3]")
+        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+        page.keyboard.press("Escape")  # the ghost text, if any
+        active.locator(".cm-content").click()
+        page.keyboard.type("print(sum(y) * 2)")
+        page.keyboard.press("Alt+p")
+        predicted = active.locator(".jp-ThemistoPredictedOutput")
+        expect(predicted).to_have_attribute("data-state", "done")
+        expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("12")
+        label = predicted.locator(".jp-ThemistoPredictedOutput-label")
+        expect(label).to_contain_text("preview")
+        shot(page, "7-preview-output")
+        page.keyboard.press("Shift+Enter")
+        ran = cells(page).nth(1)
+        expect(ran.locator(".jp-OutputArea-output")).to_have_text("12")
+        expect(ran.locator(".jp-ThemistoPredictionBadge")).to_have_attribute("data-matched", "true")
+
+        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+        page.keyboard.press("Escape")
+        active.locator(".cm-content").click()
+        page.keyboard.type("open('side.txt', 'w').write('x')")
+        page.keyboard.press("Alt+p")
+        predicted = active.locator(".jp-ThemistoPredictedOutput")
+        expect(predicted).to_have_attribute("data-state", "none")
+        label = predicted.locator(".jp-ThemistoPredictedOutput-label")
+        expect(label).to_contain_text("preview stopped: the cell would write side.txt")
+        assert not (lab.root / "side.txt").exists()
+        shot(page, "7-preview-stopped")
+    finally:
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
+
+
+def test_unavailable_and_slow_backends_are_quiet_messages(
+    page: Page, lab: JupyterLab, model_server: OpenAIPeer
+) -> None:
+    # Settings are read when the lab page loads: each case opens its notebook afresh.
+    def suggest_in_new_notebook(name: str):
+        open_notebook(page, lab, name)
+        run_cell(page, "values = [1, 2, 3, 4]")
+        page.keyboard.press("Escape")
+        open_panel(page)
+        panel = page.locator("#jp-themisto-panel")
+        panel.get_by_role("button", name="Suggest").click()
+        return panel.locator(".jp-ThemistoPanel-status")
+
+    try:
+        # No Anthropic key in the server's environment: 503, with what to do about it.
+        lab.api("PUT", SETTINGS, {"raw": '{"backend": "anthropic", "debounceMs": 30}'})
+        status = suggest_in_new_notebook("unavailable.ipynb")
+        expect(status).to_contain_text("Backend unavailable")
+        expect(status).to_contain_text("ANTHROPIC_API_KEY")
+        shot(page, "5-backend-unavailable")
+        # A model server that does not answer: the request gives up after timeoutMs.
+        for _ in range(4):
+            model_server.fail(Fault.hang(5))
+        lab.api(
+            "PUT", SETTINGS, {"raw": '{"backend": "openai", "timeoutMs": 1000, "debounceMs": 30}'}
+        )
+        status = suggest_in_new_notebook("slow.ipynb")
+        expect(status).to_contain_text("did not answer within 1000 ms")
+        expect(page.locator(".jp-Dialog")).to_have_count(0)
+        shot(page, "5-backend-timeout")
+    finally:
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
+
+
+def test_manual_trigger_waits_for_the_shortcut(page: Page, lab: JupyterLab) -> None:
+    lab.api("PUT", SETTINGS, {"raw": '{"trigger": "manual", "debounceMs": 30}'})
+    try:
+        open_notebook(page, lab, "manual.ipynb")
+        for source in HISTORY[:3]:
+            run_cell(page, source)
+        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+        page.wait_for_timeout(1500)  # time enough for an automatic suggestion to show up
+        expect(active.locator(".jp-GhostText")).to_have_count(0)
+        page.keyboard.press("Alt+n")
+        ghost = active.locator(".jp-GhostText")
+        expect(ghost).to_have_text(HISTORY[3])
+        shot(page, "8-manual-trigger")
+    finally:
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})

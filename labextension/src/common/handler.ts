@@ -10,6 +10,7 @@ import {
   IPredictRequest,
   IPredictionResult,
   ISuggestion,
+  IChunkMetadata,
   ITrajectory,
   PredictEvent
 } from './types';
@@ -189,7 +190,8 @@ export async function streamPrediction(
     elapsedMs: null,
     suggestions: [],
     output: '',
-    noPrediction: null
+    noPrediction: null,
+    note: null
   };
   for await (const item of readEvents(response.body)) {
     switch (item.event) {
@@ -199,6 +201,7 @@ export async function streamPrediction(
       case 'chunk':
         if (task === 'output') {
           result.output += item.data.text ?? '';
+          result.note = standInNote(item.data.metadata) ?? result.note;
         } else {
           const index = item.data.index ?? 0;
           let suggestion: ISuggestion | undefined = result.suggestions.find(
@@ -232,6 +235,16 @@ export async function streamPrediction(
     onUpdate?.(result);
   }
   return result;
+}
+
+/** "preview stopped: the cell would …; answered by X", when a backend stood in for preview. */
+function standInNote(metadata: IChunkMetadata | undefined): string | null {
+  const preview = metadata?.preview;
+  if (!preview?.fallback) {
+    return null;
+  }
+  const why = (preview.stopped ?? []).map(s => `the cell would ${s}`).join('; ');
+  return `preview stopped${why ? `: ${why}` : ''}; answered by ${preview.fallback}`;
 }
 
 /** A short human sentence for a failure, for the panel's quiet status line. */

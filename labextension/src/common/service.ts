@@ -73,7 +73,7 @@ export class ThemistoService {
   }
 
   /** The request body shared by both tasks: which kernel, which notebook, which backend. */
-  baseRequest(panel: NotebookPanel): IPredictRequest {
+  baseRequest(panel: NotebookPanel, task: 'next-cell' | 'output'): IPredictRequest {
     const request: IPredictRequest = {
       notebook_path: panel.context.path,
       with_runtime: this._settings.withRuntime,
@@ -83,8 +83,10 @@ export class ThemistoService {
     if (kernel) {
       request.kernel_id = kernel.id;
     }
-    if (this._settings.backend) {
-      request.backend = this._settings.backend;
+    const backend =
+      (task === 'output' && this._settings.outputBackend) || this._settings.backend;
+    if (backend) {
+      request.backend = backend;
     }
     return request;
   }
@@ -98,7 +100,7 @@ export class ThemistoService {
     signal: AbortSignal,
     onUpdate?: (result: IPredictionResult) => void
   ): Promise<IPredictionResult> {
-    const request = this.baseRequest(panel);
+    const request = this.baseRequest(panel, 'next-cell');
     request.n = this._settings.suggestions;
     request.cells = [];
     // The cells the predicted one follows: those above the active cell, and the active cell

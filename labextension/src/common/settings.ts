@@ -9,6 +9,7 @@ export const PLUGIN_ID = 'jupyter-themisto:plugin';
 export interface IThemistoSettings {
   enabled: boolean;
   backend: string;
+  outputBackend: string;
   trigger: 'automatic' | 'manual';
   debounceMs: number;
   suggestions: number;
@@ -20,6 +21,7 @@ export interface IThemistoSettings {
 export const DEFAULT_SETTINGS: IThemistoSettings = {
   enabled: true,
   backend: '',
+  outputBackend: '',
   trigger: 'automatic',
   debounceMs: 60,
   suggestions: 3,

@@ -64,6 +64,17 @@ export interface INextCellChunk {
 
 export interface IOutputChunk {
   text: string;
+  metadata?: IChunkMetadata;
+}
+
+/** What a backend says about its answer, e.g. what stopped a preview and who stood in. */
+export interface IChunkMetadata {
+  preview?: {
+    stopped?: string[];
+    status?: string;
+    fallback?: string;
+    sandbox?: Record<string, string>;
+  };
 }
 
 export interface IDoneEvent {
@@ -94,4 +105,6 @@ export interface IPredictionResult {
   suggestions: ISuggestion[];
   output: string;
   noPrediction: string | null;
+  /** Why the answering backend stood in for another (e.g. what stopped a preview). */
+  note: string | null;
 }

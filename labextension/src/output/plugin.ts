@@ -41,7 +41,7 @@ export class OutputPredictions {
     const entry: ICellPrediction = { widget, controller, source };
     this._predictions.set(cell, entry);
     this._insert(cell, widget);
-    const request = { ...this._service.baseRequest(panel), source };
+    const request = { ...this._service.baseRequest(panel, 'output'), source };
     const timer = setTimeout(() => controller.abort(), this._service.settings.timeoutMs);
     streamPrediction('output', request, controller.signal, partial => {
       widget.setText(partial.output);
@@ -53,7 +53,8 @@ export class OutputPredictions {
         } else {
           const took = result.elapsedMs !== null ? `${Math.round(result.elapsedMs)} ms` : '';
           widget.setText(result.output);
-          widget.setState('done', [result.backend, took].filter(Boolean).join(', '));
+          const detail = [result.backend, took, result.note].filter(Boolean).join(', ');
+          widget.setState('done', detail);
         }
       })
       .catch(error => {
