@@ -6,17 +6,20 @@ from collections.abc import Sequence
 
 
 class FenceStripper:
-    """Removes Markdown code fences from streamed model text, a line at a time.
+    """Removes Markdown code fences from streamed model text as it streams.
 
     Models asked for bare code still often answer "```python\\n…\\n```"; inserting that into a
     cell is a known annoyance. A leading fence line is dropped, and everything from a closing
-    fence line on (often an explanation) too. Text is held back only until its line ends.
+    fence line on (often an explanation) too. Text is held back only while its line could still
+    turn out to be a fence (white space or up to three backticks so far); the rest of a line
+    passes at once, so the first word of a suggestion need not wait for the end of its line.
     """
 
     def __init__(self) -> None:
         self._buf = ""
         self._started = False
         self._closed = False
+        self._mid_line = False  # the current line's beginning was passed on already
 
     def feed(self, text: str) -> str:
         if self._closed:
@@ -26,6 +29,9 @@ class FenceStripper:
         while "\n" in self._buf and not self._closed:
             line, self._buf = self._buf.split("\n", 1)
             out.append(self._line(line, complete=True))
+        if self._buf and not self._closed and (self._mid_line or not _may_be_fence(self._buf)):
+            out.append(self._buf)
+            self._buf, self._started, self._mid_line = "", True, True
         return "".join(out)
 
     def finish(self) -> str:
@@ -35,6 +41,10 @@ class FenceStripper:
         return self._line(rest, complete=False) if rest else ""
 
     def _line(self, line: str, *, complete: bool) -> str:
+        end = "\n" if complete else ""
+        if self._mid_line:  # its beginning was no fence
+            self._mid_line = not complete
+            return line + end
         fence = line.strip().startswith("```")
         if not self._started:
             if not line.strip() and complete:
@@ -45,7 +55,13 @@ class FenceStripper:
         elif fence:
             self._closed = True
             return ""
-        return line + ("\n" if complete else "")
+        return line + end
+
+
+def _may_be_fence(partial_line: str) -> bool:
+    """Whether a line that begins so could still be a fence line."""
+    head = partial_line.lstrip()[:3]
+    return "```".startswith(head)
 
 
 def strip_code_fences(text: str) -> str:

