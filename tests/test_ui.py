@@ -474,3 +474,23 @@ def test_manual_trigger_waits_for_the_shortcut(page: Page, lab: JupyterLab) -> N
         shot(page, "8-manual-trigger")
     finally:
         lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
+
+
+def test_timeline_of_a_long_session_shows_its_newest_executions(
+    page: Page, lab: JupyterLab
+) -> None:
+    # An earlier session of this notebook, longer than the timeline shows.
+    store = TrajectoryStore(lab.store_path)
+    tid = store.create_trajectory(notebook_path="long.ipynb")
+    for i in range(520):
+        store.add_execution(tid, {"source": f"step = {i}", "status": "ok", "wall_time": 0.01})
+    store.close()
+    open_notebook(page, lab, "long.ipynb", recorded=False)  # no live trajectory of its own
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    expect(panel).to_contain_text("520 executions recorded (the last 500 shown)")
+    rows = panel.locator(".jp-ThemistoTimeline tbody tr")
+    expect(rows).to_have_count(500)
+    expect(rows.first.locator("td").nth(1)).to_have_text("step = 20")
+    expect(rows.last.locator("td").nth(1)).to_have_text("step = 519")
+    shot(page, "4-long-timeline")

@@ -10,6 +10,9 @@ import { INextCellState, IStatus, ThemistoService } from '../common/service';
 import { IExecution, ITrajectory } from '../common/types';
 import { formatBytes, formatSeconds, renderChart } from './chart';
 
+/** How many executions the timeline shows at most (the newest). */
+const TIMELINE_ROWS = 500;
+
 function div(className: string, text = ''): HTMLDivElement {
   const node = document.createElement('div');
   node.className = className;
@@ -113,11 +116,21 @@ export class ThemistoPanel extends Widget {
         this._renderTimeline([]);
         return;
       }
-      const { executions, total } = await listExecutions(trajectory.id, 0, 500);
+      // The newest executions: a long session shows its last TIMELINE_ROWS.
+      const offset = Math.max(0, (trajectory.n_executions ?? 0) - TIMELINE_ROWS);
+      let page = await listExecutions(trajectory.id, offset, TIMELINE_ROWS);
+      if (page.total > offset + page.executions.length) {
+        // More ran since the trajectory was listed: the newest page again.
+        const newest = Math.max(0, page.total - TIMELINE_ROWS);
+        page = await listExecutions(trajectory.id, newest, TIMELINE_ROWS);
+      }
+      const { executions, total } = page;
       if (generation !== this._timelineGeneration) {
         return;
       }
-      this._trajectoryInfo.textContent = `${total} execution${total === 1 ? '' : 's'} recorded`;
+      const shown = total > executions.length ? ` (the last ${executions.length} shown)` : '';
+      this._trajectoryInfo.textContent =
+        `${total} execution${total === 1 ? '' : 's'} recorded` + shown;
       this._renderTimeline(executions);
     } catch (error) {
       if (generation === this._timelineGeneration) {
