@@ -150,3 +150,24 @@ async def test_stopped_preview_falls_back(jp_fetch, jp_serverapp, jp_root_dir, s
         assert any("process" in s for s in meta["stopped"])
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize("fallback", ["llamacpp"])
+async def test_stopped_preview_falls_back_to_a_local_model(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    """A real model (SmolLM2 through llamacpp) stands in for a preview the sandbox stopped."""
+    kernel_id = await live_kernel(
+        jp_fetch, jp_serverapp, jp_root_dir, store_path, "words = ['a', 'b']\nprint(len(words))"
+    )
+    try:
+        events = await predict(jp_fetch, kernel_id, "import os\nos.remove('data.csv')\nprint(2)")
+        chunks = [d for name, d in events if name == "chunk"]
+        assert chunks, events
+        assert "".join(c["text"] for c in chunks).strip()
+        meta = chunks[0]["metadata"]["preview"]
+        assert meta["fallback"] == "llamacpp"
+        assert meta["stopped"] == ["delete data.csv"]
+        assert events[-1][0] == "done"
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
