@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from jupyter_themisto.backends import BackendUnavailable, create_backend
-from jupyter_themisto.backends._local import loaded_models, stream_from_thread
+from jupyter_themisto.backends._local import Completion, loaded_models, stream_from_thread
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
 from jupyter_themisto.backends.openai import OpenAIPredictor
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, completion_prompt
@@ -130,7 +130,9 @@ async def test_closing_the_stream_stops_generation(model_file):
     prompt_tokens = len(llm.tokenize(prompt.encode(), add_bos=True))
 
     def produce(max_tokens):
-        return lambda cancelled: backend.produce(model, prompt, [], max_tokens, 0.0, 0, cancelled)
+        return lambda cancelled: backend.produce(
+            model, Completion(prompt, [], max_tokens), cancelled
+        )
 
     full = [p async for p in stream_from_thread(model, produce(48))]
     with model.lock:

@@ -14,7 +14,7 @@ import transformers as tf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jupyter_themisto.backends import BackendUnavailable, create_backend
-from jupyter_themisto.backends._local import stream_from_thread
+from jupyter_themisto.backends._local import Completion, stream_from_thread
 from jupyter_themisto.backends._text import StopScanner, strip_code_fences
 from jupyter_themisto.backends.seq2seq import Seq2SeqPredictor
 from jupyter_themisto.context import ContextCell, PredictionContext, completion_prompt
@@ -139,11 +139,11 @@ async def test_generation_streams_and_stops_when_cancelled(tmp_path):
     backend = Seq2SeqPredictor({"model_path": str(tmp_path)})
     model = backend.shared()
 
-    full = list(backend.produce(model, "x = 1\n", [], 200, 0.0, 0, threading.Event()))
+    full = list(backend.produce(model, Completion("x = 1\n", [], 200), threading.Event()))
     assert len(full) == 200  # one piece per token, streamed as generated
 
     cancelled = threading.Event()
-    pieces = backend.produce(model, "x = 1\n", [], 200, 0.0, 0, cancelled)
+    pieces = backend.produce(model, Completion("x = 1\n", [], 200), cancelled)
     first = next(pieces)
     cancelled.set()
     rest = list(pieces)
@@ -155,7 +155,7 @@ async def test_closing_the_stream_frees_the_model(model_dir):
     model = backend.shared()
 
     def produce(cancelled: threading.Event):
-        return backend.produce(model, "import numpy as np\n", [], 400, 0.0, 0, cancelled)
+        return backend.produce(model, Completion("import numpy as np\n", [], 400), cancelled)
 
     pieces = stream_from_thread(model, produce)
     assert await pieces.__anext__()

@@ -14,14 +14,23 @@ import os
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..context import PredictionContext, completion_prompt
 from ._text import FenceStripper, StopScanner
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 
-#: generate(prompt, stops, max_tokens, temperature, seed, cancelled) -> text pieces
-Generate = Callable[[str, list[str], int, float, int, threading.Event], Iterator[str]]
+
+@dataclass(frozen=True)
+class Completion:
+    """One answer to generate: the prompt, where it ends, how long and how random."""
+
+    prompt: str
+    stops: list[str] = field(default_factory=list)
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
 
 
 class SharedModel:
@@ -152,31 +161,23 @@ class LocalModelPredictor(Predictor):
         raise NotImplementedError
 
     def produce(
-        self,
-        model: SharedModel,
-        prompt: str,
-        stops: list[str],
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-        cancelled: threading.Event,
+        self, model: SharedModel, job: Completion, cancelled: threading.Event
     ) -> Iterator[str]:
+        """The text pieces of `job`, as the model generates them; stops once `cancelled`."""
         raise NotImplementedError
 
     async def _model(self) -> SharedModel:
         # Loading takes long enough (a model file, weights) to keep it off the event loop.
         return await asyncio.to_thread(self.shared)
 
-    async def _complete(
-        self, prompt: str, stops: list[str], max_tokens: int, temperature: float, seed: int
-    ) -> AsyncIterator[str]:
+    async def _complete(self, job: Completion) -> AsyncIterator[str]:
         """Streamed text of one answer, cut at the cell boundary, code fences removed."""
         model = await self._model()
-        scanner = StopScanner(stops)
+        scanner = StopScanner(job.stops)
         fences = FenceStripper()
 
         def produce(cancelled: threading.Event) -> Iterator[str]:
-            return self.produce(model, prompt, stops, max_tokens, temperature, seed, cancelled)
+            return self.produce(model, job, cancelled)
 
         pieces = stream_from_thread(model, produce)
         try:
@@ -208,9 +209,8 @@ class LocalModelPredictor(Predictor):
                 break
             temperature = self.temperature if attempt == 0 else self.sample_temperature
             text, sent = "", 0
-            async for piece in self._complete(
-                prompt, stops, self.max_tokens, temperature, self.seed + attempt
-            ):
+            job = Completion(prompt, stops, self.max_tokens, temperature, self.seed + attempt)
+            async for piece in self._complete(job):
                 text += piece
                 if attempt == 0 and text.strip():
                     yield NextCellChunk(index=0, text=text[sent:])
@@ -227,9 +227,8 @@ class LocalModelPredictor(Predictor):
             raise NoPrediction("there is no cell source to predict the output of")
         prompt, stops = completion_prompt(ctx, "output")
         got = False
-        async for text in self._complete(
-            prompt, stops, self.output_max_tokens, self.temperature, self.seed
-        ):
+        job = Completion(prompt, stops, self.output_max_tokens, self.temperature, self.seed)
+        async for text in self._complete(job):
             got = True
             yield OutputChunk(text=text)
         if not got:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ._local import (
+    Completion,
     LocalModelPredictor,
     SharedModel,
     default_threads,
@@ -114,29 +115,22 @@ class LlamaCppPredictor(LocalModelPredictor):
         return ("llamacpp", str(path.resolve()), self.n_ctx, self.n_threads, self.flash_attn)
 
     def produce(
-        self,
-        model: SharedModel,
-        prompt: str,
-        stops: list[str],
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-        cancelled: threading.Event,
+        self, model: SharedModel, job: Completion, cancelled: threading.Event
     ) -> Iterator[str]:
         from llama_cpp import StoppingCriteriaList
 
         llm = model.model
-        tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True)
+        tokens = llm.tokenize(job.prompt.encode("utf-8"), add_bos=True)
         if len(tokens) > self.max_prompt_tokens:
             # The newest cells matter most: keep the prompt's tail (it ends where the answer
             # begins), behind the beginning-of-sequence token.
             tokens = tokens[:1] + tokens[len(tokens) - self.max_prompt_tokens + 1 :]
         stream = llm.create_completion(
             tokens,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-            stop=stops,
+            max_tokens=job.max_tokens,
+            temperature=job.temperature,
+            seed=job.seed,
+            stop=job.stops,
             stream=True,
             stopping_criteria=StoppingCriteriaList([lambda _ids, _logits: cancelled.is_set()]),
         )

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ._local import LocalModelPredictor, SharedModel, shared_model
+from ._local import Completion, LocalModelPredictor, SharedModel, shared_model
 from .base import BackendError, BackendUnavailable
 
 
@@ -67,14 +67,7 @@ class Seq2SeqPredictor(LocalModelPredictor):
         return shared_model(("seq2seq", str(path.resolve())), load)
 
     def produce(
-        self,
-        model: SharedModel,
-        prompt: str,
-        stops: list[str],
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-        cancelled: threading.Event,
+        self, model: SharedModel, job: Completion, cancelled: threading.Event
     ) -> Iterator[str]:
         import torch
         import transformers as tf
@@ -87,8 +80,8 @@ class Seq2SeqPredictor(LocalModelPredictor):
             or 1024
         )
         if not lm.config.is_encoder_decoder:
-            limit = max(16, limit - max_tokens)  # a causal model's answer shares its window
-        inputs = tokenizer(prompt, return_tensors="pt", truncation=True, max_length=limit)
+            limit = max(16, limit - job.max_tokens)  # a causal model's answer shares its window
+        inputs = tokenizer(job.prompt, return_tensors="pt", truncation=True, max_length=limit)
         inputs.pop("token_type_ids", None)
         streamer = tf.TextIteratorStreamer(
             tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=300
@@ -102,13 +95,13 @@ class Seq2SeqPredictor(LocalModelPredictor):
 
         def generate() -> None:
             try:
-                torch.manual_seed(seed)
+                torch.manual_seed(job.seed)
                 with torch.no_grad():
                     lm.generate(
                         **inputs,
-                        max_new_tokens=max_tokens,
-                        do_sample=temperature > 0,
-                        **({"temperature": temperature} if temperature > 0 else {}),
+                        max_new_tokens=job.max_tokens,
+                        do_sample=job.temperature > 0,
+                        **({"temperature": job.temperature} if job.temperature > 0 else {}),
                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                         streamer=streamer,
                         stopping_criteria=tf.StoppingCriteriaList([Cancelled()]),
