@@ -40,7 +40,6 @@ class SharedModel:
         self.model = model
         self.load_seconds = load_seconds
         self.lock = threading.Lock()
-        self.generations = 0
 
 
 _models: dict[Hashable, SharedModel] = {}
@@ -68,6 +67,12 @@ def _close_models() -> None:
             if callable(close):
                 close()
         _models.clear()
+
+
+def loaded_model(key: Hashable) -> SharedModel | None:
+    """The model for `key` if some backend of this process loaded it already."""
+    with _models_lock:
+        return _models.get(key)
 
 
 def loaded_models() -> list[Hashable]:
@@ -99,7 +104,6 @@ async def stream_from_thread(
             with model.lock:
                 if cancelled.is_set():
                     return
-                model.generations += 1
                 for piece in produce(cancelled):
                     if cancelled.is_set():
                         break
@@ -136,9 +140,9 @@ class LocalModelPredictor(Predictor):
     """Base of backends that run a model in this process.
 
     Subclasses implement `shared()` (the SharedModel, loaded on first use) and `produce()`
-    (the text pieces of one completion of a prompt). Prompts are the completion-style notebook
-    script of `context.completion_prompt`, tuned per task: the next cell is continued from
-    "# In[n]:", an output from "# Out[n]:" under the cell; both end at the next cell boundary.
+    (the text pieces of one Completion). Prompts come from `context.completion_prompt`, one
+    shape per task (a percent-format script for the next cell, a console session for an
+    output); both end at the next cell boundary.
 
     Settings: max_tokens (next cell, default 128), output_max_tokens (default 128),
     temperature (default 0: greedy; later suggestions of a ranked list are sampled at

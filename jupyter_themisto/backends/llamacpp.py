@@ -14,7 +14,7 @@ from ._local import (
     LocalModelPredictor,
     SharedModel,
     default_threads,
-    loaded_models,
+    loaded_model,
     shared_model,
 )
 from .base import BackendUnavailable
@@ -149,5 +149,6 @@ class LlamaCppPredictor(LocalModelPredictor):
             return {"ok": False, "detail": str(e)}
         if importlib.util.find_spec("llama_cpp") is None:
             return {"ok": False, "detail": "llama-cpp-python is not installed (extra [llm])"}
-        state = "loaded" if self.model_key(path) in loaded_models() else "loads on first use"
+        loaded = loaded_model(self.model_key(path))
+        state = f"loaded in {loaded.load_seconds:.1f} s" if loaded else "loads on first use"
         return {"ok": True, "detail": f"{path.name} ({state}, {self.n_threads} threads)"}
