@@ -23,6 +23,7 @@ from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, check_installed_bu
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 TIMEOUT_MS = 30_000
+SETTINGS = "/lab/api/settings/jupyter-themisto:plugin"
 
 # An earlier session the retrieval backend learns from: after these three cells came the fourth.
 HISTORY = [
@@ -142,6 +143,15 @@ def run_cell(page: Page, source: str) -> None:
     expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=60_000)
 
 
+def type_in_active_cell(page: Page, source: str):
+    """Dismiss any ghost text and type `source` into the active cell; that cell's locator."""
+    active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+    page.keyboard.press("Escape")
+    active.locator(".cm-content").click()
+    page.keyboard.type(source)
+    return active
+
+
 def open_panel(page: Page) -> None:
     tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='jp-themisto-panel']")
     tab.click()
@@ -221,7 +231,7 @@ def test_long_suggestion_streams_into_the_ghost_text(
     for _ in range(4):  # one slow stream per request the page may make
         model_server.fail(Fault.slow(0.05))
     settings = '{"backend": "openai", "debounceMs": 30}'
-    lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": settings})
+    lab.api("PUT", SETTINGS, {"raw": settings})
     try:
         open_notebook(page, lab, "stream.ipynb")
         page.evaluate(
@@ -248,7 +258,7 @@ def test_long_suggestion_streams_into_the_ghost_text(
         assert active.locator(".cm-content").inner_text().strip() == LONG_SUGGESTION
         assert any(r.path.endswith("/chat/completions") for r in model_server.requests)
     finally:
-        lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": '{"debounceMs": 30}'})
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 
 
 def test_predicted_output_replaced_by_real_with_badge(page: Page, lab: JupyterLab) -> None:
@@ -304,16 +314,13 @@ def test_badge_says_when_the_prediction_differed(page: Page, lab: JupyterLab) ->
 def test_output_predicted_automatically_when_the_setting_is_on(page: Page, lab: JupyterLab) -> None:
     lab.api(
         "PUT",
-        "/lab/api/settings/jupyter-themisto:plugin",
+        SETTINGS,
         {"raw": '{"predictOutputs": true, "debounceMs": 30}'},
     )
     try:
         open_notebook(page, lab, "autooutput.ipynb")
         run_cell(page, "pair = (1, 2)")
-        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
-        page.keyboard.press("Escape")  # the ghost text, if any
-        active.locator(".cm-content").click()
-        page.keyboard.type("pair")
+        active = type_in_active_cell(page, "pair")
         predicted = active.locator(".jp-ThemistoPredictedOutput")
         expect(predicted).to_have_attribute("data-state", "done")
         expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("(1, 2)")
@@ -323,7 +330,7 @@ def test_output_predicted_automatically_when_the_setting_is_on(page: Page, lab: 
         expect(ran.locator(".jp-ThemistoPredictionBadge")).to_have_attribute("data-matched", "true")
         shot(page, "3-automatic-output-prediction")
     finally:
-        lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": '{"debounceMs": 30}'})
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 
 
 def test_timeline_lists_the_executions(page: Page, lab: JupyterLab) -> None:
@@ -368,7 +375,7 @@ def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -
     # A backend that does not exist: the server's 404 ends up on the panel's status line.
     lab.api(
         "PUT",
-        "/lab/api/settings/jupyter-themisto:plugin",
+        SETTINGS,
         {"raw": '{"backend": "no-such-backend", "debounceMs": 30}'},
     )
     try:
@@ -381,10 +388,7 @@ def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -
         expect(page.locator(".jp-Dialog")).to_have_count(0)
         shot(page, "5-quiet-failure")
     finally:
-        lab.api("PUT", "/lab/api/settings/jupyter-themisto:plugin", {"raw": '{"debounceMs": 30}'})
-
-
-SETTINGS = "/lab/api/settings/jupyter-themisto:plugin"
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 
 
 def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: JupyterLab) -> None:
@@ -394,10 +398,7 @@ def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: Jupy
     try:
         open_notebook(page, lab, "preview.ipynb")
         run_cell(page, "y = [1, 2, 3]")
-        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
-        page.keyboard.press("Escape")  # the ghost text, if any
-        active.locator(".cm-content").click()
-        page.keyboard.type("print(sum(y) * 2)")
+        active = type_in_active_cell(page, "print(sum(y) * 2)")
         page.keyboard.press("Alt+p")
         predicted = active.locator(".jp-ThemistoPredictedOutput")
         expect(predicted).to_have_attribute("data-state", "done")
@@ -410,10 +411,7 @@ def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: Jupy
         expect(ran.locator(".jp-OutputArea-output")).to_have_text("12")
         expect(ran.locator(".jp-ThemistoPredictionBadge")).to_have_attribute("data-matched", "true")
 
-        active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
-        page.keyboard.press("Escape")
-        active.locator(".cm-content").click()
-        page.keyboard.type("open('side.txt', 'w').write('x')")
+        active = type_in_active_cell(page, "open('side.txt', 'w').write('x')")
         page.keyboard.press("Alt+p")
         predicted = active.locator(".jp-ThemistoPredictedOutput")
         expect(predicted).to_have_attribute("data-state", "none")
