@@ -152,6 +152,18 @@ def type_in_active_cell(page: Page, source: str):
     return active
 
 
+def suggest_in_new_notebook(page: Page, lab: JupyterLab, name: str):
+    """Open a fresh notebook (its page reads the current settings), run a cell, ask the panel
+    for suggestions; the panel's status line."""
+    open_notebook(page, lab, name)
+    run_cell(page, "values = [1, 2, 3, 4]")
+    page.keyboard.press("Escape")
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    panel.get_by_role("button", name="Suggest").click()
+    return panel.locator(".jp-ThemistoPanel-status")
+
+
 def open_panel(page: Page) -> None:
     tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='jp-themisto-panel']")
     tab.click()
@@ -379,10 +391,7 @@ def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -
         {"raw": '{"backend": "no-such-backend", "debounceMs": 30}'},
     )
     try:
-        open_notebook(page, lab, "badbackend.ipynb")
-        run_cell(page, "values = [1, 2, 3, 4]")
-        open_panel(page)
-        panel.get_by_role("button", name="Suggest").click()
+        status = suggest_in_new_notebook(page, lab, "badbackend.ipynb")
         expect(status).to_be_visible()
         expect(status).to_contain_text("no-such-backend")
         expect(page.locator(".jp-Dialog")).to_have_count(0)
@@ -427,19 +436,10 @@ def test_unavailable_and_slow_backends_are_quiet_messages(
     page: Page, lab: JupyterLab, model_server: OpenAIPeer
 ) -> None:
     # Settings are read when the lab page loads: each case opens its notebook afresh.
-    def suggest_in_new_notebook(name: str):
-        open_notebook(page, lab, name)
-        run_cell(page, "values = [1, 2, 3, 4]")
-        page.keyboard.press("Escape")
-        open_panel(page)
-        panel = page.locator("#jp-themisto-panel")
-        panel.get_by_role("button", name="Suggest").click()
-        return panel.locator(".jp-ThemistoPanel-status")
-
     try:
         # No Anthropic key in the server's environment: 503, with what to do about it.
         lab.api("PUT", SETTINGS, {"raw": '{"backend": "anthropic", "debounceMs": 30}'})
-        status = suggest_in_new_notebook("unavailable.ipynb")
+        status = suggest_in_new_notebook(page, lab, "unavailable.ipynb")
         expect(status).to_contain_text("Backend unavailable")
         expect(status).to_contain_text("ANTHROPIC_API_KEY")
         shot(page, "5-backend-unavailable")
@@ -449,7 +449,7 @@ def test_unavailable_and_slow_backends_are_quiet_messages(
         lab.api(
             "PUT", SETTINGS, {"raw": '{"backend": "openai", "timeoutMs": 1000, "debounceMs": 30}'}
         )
-        status = suggest_in_new_notebook("slow.ipynb")
+        status = suggest_in_new_notebook(page, lab, "slow.ipynb")
         expect(status).to_contain_text("did not answer within 1000 ms")
         expect(page.locator(".jp-Dialog")).to_have_count(0)
         shot(page, "5-backend-timeout")
