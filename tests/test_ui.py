@@ -137,7 +137,17 @@ def run_cell(page: Page, source: str) -> None:
     editor = active.locator(".cm-content")
     editor.click()
     page.keyboard.type(source)
-    expect(editor).to_have_text(source)
+    # The cell holds exactly `source`. Ghost text that may still be showing (a suggestion asked
+    # for while the cell was empty) is an overlay inside the editor, not part of the cell.
+    page.wait_for_function(
+        """([el, want]) => {
+          const copy = el.cloneNode(true);
+          copy.querySelectorAll('.jp-GhostText').forEach(g => g.remove());
+          return copy.textContent === want;
+        }""",
+        arg=[editor.element_handle(), source],
+        timeout=TIMEOUT_MS,
+    )
     page.keyboard.press("Shift+Enter")
     prompt = cells(page).nth(index).locator(".jp-InputPrompt")
     expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=60_000)
