@@ -13,8 +13,9 @@ are never committed to this project.
 `materialize` checks out each pinned commit's whole tree (notebooks read sibling data files)
 into DEST/<owner>__<name>/. The git objects come from a local mirror when one is there
 ($THEMISTO_CORPUS_MIRROR, default /work/.mirror: <owner>+<name>/repo, bare or with a .git),
-else from `git clone https://github.com/<owner>/<name>` into DEST/.git-cache/. DEST is --dest,
-else $THEMISTO_CORPUS_DIR, else ~/.cache/jupyter-themisto/corpus.
+else from a `git clone` of https://github.com/<owner>/<name> ($THEMISTO_CORPUS_GIT_BASE replaces
+https://github.com) into DEST/.git-cache/. DEST is --dest, else $THEMISTO_CORPUS_DIR, else
+~/.cache/jupyter-themisto/corpus.
 
 Other benchmark scripts import it:
 
@@ -65,8 +66,10 @@ class CorpusError(Exception):
 # ---------------------------------------------------------------------------- the manifest
 
 
-def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
-    """The manifest, checked: every repository has `repo`, a 40-hex `commit` and notebooks."""
+def load_manifest(path: Path | None = None) -> dict[str, Any]:
+    """The manifest (default: benchmarks/corpus.json, or $THEMISTO_CORPUS_MANIFEST), checked:
+    every repository has `repo`, a 40-hex `commit` and notebooks."""
+    path = path or Path(os.environ.get("THEMISTO_CORPUS_MANIFEST") or MANIFEST)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -141,7 +144,7 @@ def git_dir_for(repo: str, commit: str, dest: Path) -> Path:
     if mirror is not None and _has_commit(mirror, commit):
         return mirror
     cache = dest / ".git-cache" / (repo.replace("/", "__") + ".git")
-    url = f"https://github.com/{repo}"
+    url = os.environ.get("THEMISTO_CORPUS_GIT_BASE", "https://github.com/").rstrip("/") + f"/{repo}"
     if not (cache / "HEAD").is_file():
         print(f"  cloning {url} …", flush=True)
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -345,7 +348,9 @@ def record(
     """Record every corpus notebook into `store`, `jobs` kernels at a time; prints a line per
     notebook and a total. Returns the per-notebook results in manifest order."""
     dest = (dest or default_dest()).expanduser().resolve()
-    paths = materialize(dest, quiet=True)
+    # A pristine checkout: notebooks write files beside them, and a second run must not see
+    # what the first one left.
+    paths = materialize(dest, force=True, quiet=True)
     store = store.expanduser().resolve()
     store.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -530,6 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "list":
             for p in materialize(args.dest, quiet=True):
                 print(p)
+            sys.stdout.flush()
         elif args.command == "record":
             store = args.store.expanduser().resolve()
             if store.exists():
@@ -551,6 +557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CorpusError as e:
         print(f"corpus.py: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `corpus.py list | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 
