@@ -364,9 +364,9 @@ def record(
     """Record every corpus notebook into `store`, `jobs` kernels at a time; prints a line per
     notebook and a total. Returns the per-notebook results in manifest order."""
     dest = (dest or default_dest()).expanduser().resolve()
-    # A pristine checkout: notebooks write files beside them, and a second run must not see
-    # what the first one left.
-    paths = materialize(dest, force=True, quiet=True)
+    # Not checked out again (another run may be using the checkout); notebooks that write
+    # files beside them leave them there: `materialize --force` restores a pristine tree.
+    paths = materialize(dest, quiet=True)
     store = store.expanduser().resolve()
     store.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
