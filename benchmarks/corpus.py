@@ -313,6 +313,17 @@ def _statuses(store: Path, trajectory: str) -> Counter:
 _NOISE = re.compile(r"it/s|cell/s|s/cell|s/it|Kernel is running over TCP|^\s*$")
 
 
+def _trajectory_of(store: Path, notebook: Path) -> str | None:
+    """The newest trajectory recorded from `notebook`, if any."""
+    if not store.is_file():
+        return None
+    r = _cli("list", "--json", "--store", str(store))
+    if r.returncode != 0:
+        return None
+    mine = [t for t in json.loads(r.stdout) if t["notebook_path"] == str(notebook.resolve())]
+    return mine[0]["id"] if mine else None
+
+
 def record_one(
     path: Path, store: Path, timeout: float = 120.0, log: Path | None = None
 ) -> dict[str, Any]:
@@ -344,14 +355,18 @@ def record_one(
             if "themisto:" in ln and "stopped:" not in ln and "recording to" not in ln
         ],
     }
-    if m is None or m.group(1) == "None":
-        lines = (r.stderr or r.stdout).strip().splitlines()
-        result["stopped"] = lines[-1] if lines else f"record exited {r.returncode}"
-        return result
-    result["trajectory_id"] = m.group(1)
     stop = re.search(r"; stopped: (.*)", r.stderr)
-    result["stopped"] = stop.group(1) if stop else None
-    statuses = _statuses(store, m.group(1))
+    trajectory = m.group(1) if m and m.group(1) != "None" else None
+    if trajectory is None:
+        # `record` itself failed (e.g. a traceback): what it recorded is still in the store.
+        trajectory = _trajectory_of(store, path)
+        result["stopped"] = lines[-1] if lines else f"record exited {r.returncode}"
+    elif stop:
+        result["stopped"] = stop.group(1)
+    if trajectory is None:
+        return result
+    result["trajectory_id"] = trajectory
+    statuses = _statuses(store, trajectory)
     result["cells"] = sum(statuses.values())
     result["ok"] = statuses.get("ok", 0)
     result["errors"] = result["cells"] - result["ok"]
