@@ -214,6 +214,18 @@ class LocalModelPredictor(Predictor):
                 break
             emit(piece)
 
+    def preload(self) -> None:
+        """Load the model in a background thread now (the server calls this at start when this
+        is its default backend); a failure is logged and said again by the first request."""
+
+        def load() -> None:
+            try:
+                self.shared()
+            except Exception as e:
+                self.env.log.warning("themisto: %s: preloading the model failed: %s", self.name, e)
+
+        threading.Thread(target=load, name=f"themisto-load-{self.name}", daemon=True).start()
+
     async def _model(self) -> SharedModel:
         # Loading takes long enough (a model file, weights) to keep it off the event loop.
         return await asyncio.to_thread(self.shared)

@@ -60,14 +60,18 @@ def cmd_install(args: argparse.Namespace) -> int:
         existing = Path(target) / spec.filename
         before = existing if existing.is_file() and existing.stat().st_size == spec.size else None
 
+    # One line updated in place on a terminal; a line per fifth in a log.
+    tty = sys.stderr.isatty()
+    step, start, end = (1, "\r", "") if tty else (20, "", "\n")
+
     def progress(done: int, total: int) -> None:
-        percent = done * 100 // total
+        percent = done * 100 // total // step * step
         if percent != shown[0]:
             shown[0] = percent
             mb = 2**20
             print(
-                f"\rassembling {spec.filename}: {done // mb} / {total // mb} MB ({percent} %)",
-                end="",
+                f"{start}assembling {spec.filename}: {done // mb} / {total // mb} MB ({percent} %)",
+                end=end,
                 file=sys.stderr,
                 flush=True,
             )
@@ -79,7 +83,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     except model_files.ModelFileError as e:
         raise CliError(str(e)) from None
     finally:
-        if shown[0] >= 0:
+        if shown[0] >= 0 and tty:
             print(file=sys.stderr)
     verb = "already there" if before == path else "assembled and verified"
     print(f"{spec.name}: {verb}: {path}")

@@ -7,7 +7,7 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { Cell } from '@jupyterlab/cells';
 import { CommandRegistry } from '@lumino/commands';
 
-import { listExecutions, listTrajectories } from '../common/handler';
+import { listExecutions, listTrajectories, requestJSON } from '../common/handler';
 import { ThemistoService } from '../common/service';
 import { NextCellProvider } from './provider';
 
@@ -141,6 +141,28 @@ export function activateNextCell(
     provider.cancel();
     pendingOf(notebook).add(cell.model.id);
   });
+  /**
+   * Let the backend evaluate the prompt for a cell after `cell` now, while the person reads
+   * the output: the suggestion asked for later (a new cell, Alt+\\) then starts at once.
+   */
+  const warm = async (panel: NotebookPanel, cell: Cell) => {
+    const model = panel.content.model;
+    if (!model) {
+      return;
+    }
+    const request = service.baseRequest(panel, 'next-cell');
+    request.warm = true;
+    request.cells = [];
+    for (let i = 0; i < model.cells.length; i++) {
+      const each = model.cells.get(i);
+      request.cells.push({ cell_type: each.type, source: each.sharedModel.getSource() });
+      if (each === cell.model) {
+        break;
+      }
+    }
+    await requestJSON('predict/next-cell', { method: 'POST', body: JSON.stringify(request) });
+  };
+
   NotebookActions.executed.connect((_, { notebook, cell }) => {
     const set = pendingOf(notebook);
     set.delete(cell.model.id);
@@ -151,6 +173,21 @@ export function activateNextCell(
     });
     if (set.size === 0 && waiting && waiting.panel.content === notebook) {
       invokeWhenRecorded(waiting.panel, waiting.cell);
+      return;
+    }
+    // No suggestion is about to be asked for (the next cell has text, or more cells run):
+    // prepare the one that may be asked for later.
+    const panel = tracker.find(p => p.content === notebook);
+    if (set.size === 0 && panel && cell.model.type === 'code' && service.isActiveFor(panel)) {
+      void recorded(panel)
+        .then(() => {
+          const active = panel.content.activeCell;
+          const asking = active && !active.model.sharedModel.getSource().trim();
+          if (!asking && pendingOf(notebook).size === 0) {
+            return warm(panel, cell);
+          }
+        })
+        .catch(() => undefined); // only a preparation: the suggestion itself reports failures
     }
   });
 
