@@ -22,7 +22,6 @@ from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, completion_prompt
-from tests.test_server import parse_sse
 
 #: A prompt the model continues for long: counting, with no cell boundary in sight.
 ENDLESS = "# %%\nnumbers = [\n    1,\n    2,\n    3,\n"
@@ -44,6 +43,9 @@ def session(**kw) -> PredictionContext:
             changed_at=1,
         )
     ]
+    # Without the runtime part by default: today's prompt renders it as comments, which the
+    # model continues (the prompt builder is being reworked; these tests are about running it).
+    kw.setdefault("with_runtime", False)
     return PredictionContext(cells=cells, variables=variables, **kw)
 
 
@@ -56,6 +58,12 @@ async def next_cells(backend, ctx, n=1):
             done.append(c.index)
     assert sorted(done) == sorted(texts)
     return texts
+
+
+def llama(**settings) -> LlamaCppPredictor:
+    """The backend with a time limit no loaded test machine reaches (the limit is tested alone)."""
+    settings.setdefault("suggestion_timeout", 300)
+    return LlamaCppPredictor(settings)
 
 
 def generate(backend, job, *, cancel_after=None):
@@ -82,8 +90,8 @@ def model_file():
 
 
 async def test_default_model_is_the_code_model_and_loads_once(model_file):
-    a = create_backend("llamacpp", {"max_tokens": 24})
-    b = create_backend("llamacpp", {"max_tokens": 24})
+    a = create_backend("llamacpp", {"max_tokens": 24, "suggestion_timeout": 300})
+    b = create_backend("llamacpp", {"max_tokens": 24, "suggestion_timeout": 300})
     assert isinstance(a, LlamaCppPredictor) and a.model_path() == model_file
     health = await a.health()
     assert health["ok"] is True and model_file.name in health["detail"]
@@ -98,7 +106,7 @@ async def test_default_model_is_the_code_model_and_loads_once(model_file):
 
 
 async def test_next_cell_streams_and_stops_at_the_cell_boundary(model_file):
-    backend = LlamaCppPredictor({"max_tokens": 64})
+    backend = llama(max_tokens=64)
     chunks = [c async for c in backend.predict_next_cell(session())]
     text = "".join(c.text for c in chunks)
     assert chunks[-1].done and text.strip()
@@ -111,21 +119,21 @@ async def test_next_cell_streams_and_stops_at_the_cell_boundary(model_file):
 
 
 async def test_ranked_suggestions_are_distinct(model_file):
-    backend = LlamaCppPredictor({"max_tokens": 24})
+    backend = llama(max_tokens=24)
     texts = await next_cells(backend, session(), n=3)
     assert 1 <= len(texts) <= 3
     assert len({t.strip() for t in texts.values()}) == len(texts)
 
 
 async def test_output_prediction_streams_text(model_file):
-    backend = LlamaCppPredictor({"output_max_tokens": 32})
+    backend = llama(output_max_tokens=32)
     ctx = session(target_source="print(df['a'].sum())")
     text = "".join([c.text async for c in backend.predict_output(ctx)])
     assert text.strip() and ">>>" not in text
 
 
 async def test_cancelling_stops_generation_at_the_next_token(model_file):
-    backend = LlamaCppPredictor({})
+    backend = llama()
     job = Completion(ENDLESS, [], max_tokens=64)
     full = generate(backend, job)
     assert len(full) >= 40, "".join(full)
@@ -134,7 +142,7 @@ async def test_cancelling_stops_generation_at_the_next_token(model_file):
 
 
 async def test_closing_the_stream_frees_the_model(model_file):
-    backend = LlamaCppPredictor({"parallel": 1, "max_lines": 200})
+    backend = llama(parallel=1, max_lines=200)
     job = Completion(ENDLESS, [], max_tokens=120)
     stream = backend._complete(job)
     got = [await stream.__anext__(), await stream.__anext__()]
@@ -149,10 +157,10 @@ async def test_closing_the_stream_frees_the_model(model_file):
 
 
 async def test_an_answer_ends_at_its_time_limit(model_file):
-    backend = LlamaCppPredictor({"max_lines": 200})
+    backend = llama(max_lines=200)
     job = Completion(ENDLESS, [], max_tokens=120)
     whole = "".join([p async for p in backend._complete(job)])
-    timed = LlamaCppPredictor({"max_lines": 200, "suggestion_timeout": 0.05})
+    timed = llama(max_lines=200, suggestion_timeout=0.05)
     start = time.monotonic()
     cut = "".join([p async for p in timed._complete(job)])
     # Shorter than the whole answer, and its beginning (no timing is asserted, only that it
@@ -162,13 +170,13 @@ async def test_an_answer_ends_at_its_time_limit(model_file):
 
 
 async def test_answers_are_capped_in_lines(model_file):
-    backend = LlamaCppPredictor({"max_lines": 3})
+    backend = llama(max_lines=3)
     text = "".join([p async for p in backend._complete(Completion(ENDLESS, [], 120))])
     assert 1 <= len(text.splitlines()) <= 3
 
 
 async def test_two_generations_run_at_once_in_two_slots(model_file):
-    backend = LlamaCppPredictor({"max_tokens": 24, "parallel": 2})
+    backend = llama(max_tokens=24, parallel=2)
     ctx = session()
     spans: dict[str, list[float]] = {"a": [], "b": []}
 
@@ -178,7 +186,7 @@ async def test_two_generations_run_at_once_in_two_slots(model_file):
 
     await asyncio.gather(run("a"), run("b"))
     assert spans["a"] and spans["b"]
-    one = LlamaCppPredictor({"max_tokens": 24, "parallel": 1})
+    one = llama(max_tokens=24, parallel=1)
     spans = {"a": [], "b": []}
     backend = one
     await asyncio.gather(run("a"), run("b"))
@@ -188,7 +196,7 @@ async def test_two_generations_run_at_once_in_two_slots(model_file):
 
 
 async def test_fill_in_the_middle(model_file):
-    backend = LlamaCppPredictor({"max_lines": 5})
+    backend = llama(max_lines=5)
     job = Completion("def add(a, b):\n    ", ["\n\n"], 24, suffix="\n\nprint(add(1, 2))\n")
     assert "<|fim_prefix|>" in backend.request(job)["prompt"]
     text = "".join([p async for p in backend._complete(job)])
@@ -196,7 +204,7 @@ async def test_fill_in_the_middle(model_file):
 
 
 async def test_warm_evaluates_the_prompt_ahead(model_file):
-    backend = LlamaCppPredictor({"max_tokens": 16, "parallel": 1})
+    backend = llama(max_tokens=16, parallel=1)
     ctx = session()
     await backend.warm(ctx)
     prompt, stops = completion_prompt(ctx, "next-cell")
@@ -210,30 +218,30 @@ async def test_warm_evaluates_the_prompt_ahead(model_file):
 
 async def test_smollm2_stays_available(model_file):
     assert bundled_model_path() is not None
-    tiny = LlamaCppPredictor({"model": "smollm2-135m", "max_tokens": 16})
+    tiny = llama(model="smollm2-135m", max_tokens=16)
     assert tiny.model_path() == bundled_model_path()
     assert (await next_cells(tiny, session()))[0].strip()
 
 
 async def test_bad_settings_and_model_paths_are_clear(tmp_path):
-    missing = LlamaCppPredictor({"model_path": str(tmp_path / "nope.gguf")})
+    missing = llama(model_path=str(tmp_path / "nope.gguf"))
     with pytest.raises(BackendUnavailable, match="no model file"):
         await next_cells(missing, session())
     assert (await missing.health())["ok"] is False
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("this is not a model")
-    broken = LlamaCppPredictor({"model_path": str(not_gguf)})
+    broken = llama(model_path=str(not_gguf))
     with pytest.raises(BackendUnavailable, match="cannot load"):
         await next_cells(broken, session())
     with pytest.raises(ValueError, match="n_ctx"):
-        LlamaCppPredictor({"n_ctx": 128, "max_tokens": 256})
+        llama(n_ctx=128, max_tokens=256)
     with pytest.raises(ValueError, match="unknown model 'gpt'"):
-        LlamaCppPredictor({"model": "gpt"})
+        llama(model="gpt")
     with pytest.raises(ValueError, match="suggestion_timeout"):
-        LlamaCppPredictor({"suggestion_timeout": 0})
+        llama(suggestion_timeout=0)
 
 
-# -- degenerate answers are dropped, never shown ----------------------------------------------------
+# -- degenerate answers are dropped, never shown ---------------------------------------------
 
 
 class ScriptedEngine(LocalModelPredictor):
@@ -302,7 +310,6 @@ def llama_server(model_file):
     key = secrets.token_hex(16)
     params = xllamacpp.CommonParams()
     params.model.path = str(model_file)
-    params.model_alias = "qwen-coder"
     params.n_ctx = 2048
     params.n_parallel = 1
     params.hostnames = ["127.0.0.1"]
@@ -319,9 +326,10 @@ def llama_server(model_file):
 async def test_openai_backend_against_llama_cpp_server(llama_server, api):
     url, key = llama_server
     models = httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}).json()
-    assert [m["id"] for m in models["data"]] == ["qwen-coder"]
+    assert len(models["data"]) == 1
+    model = models["data"][0]["id"]
     backend = OpenAIPredictor(
-        {"base_url": url, "api_key": key, "model": "qwen-coder", "api": api, "max_tokens": 32}
+        {"base_url": url, "api_key": key, "model": model, "api": api, "max_tokens": 16}
     )
     try:
         chunks = [c async for c in backend.predict_next_cell(session())]
@@ -339,7 +347,7 @@ async def test_llama_cpp_server_streams_sse_and_wants_its_key(llama_server):
     """What the openai backend relies on, as the third-party server really sends it."""
     url, key = llama_server
     body = {
-        "model": "qwen-coder",
+        "model": "any",
         "stream": True,
         "max_tokens": 8,
         "messages": [{"role": "user", "content": "Say hello"}],

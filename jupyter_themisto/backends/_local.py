@@ -48,6 +48,8 @@ class SharedModel:
         self.slots = slots
         #: held by each running generation; `with model.lock` waits for a free slot
         self.lock = threading.BoundedSemaphore(slots)
+        #: the cancel flags of the generations running now (set all of them to stop them)
+        self.running: set[threading.Event] = set()
 
 
 _models: dict[Hashable, SharedModel] = {}
@@ -69,11 +71,20 @@ def shared_model(key: Hashable, load: Callable[[], Any], slots: int = 1) -> Shar
 
 def _close_models() -> None:
     # Free native models while the interpreter is whole (llama.cpp's finalizers fail later).
+    # Generations still running are stopped first and waited for: a worker thread that calls
+    # back into Python while the interpreter shuts down would abort the process.
     with _models_lock:
         for shared in _models.values():
+            for flag in list(shared.running):
+                flag.set()
+            held = [shared.lock.acquire(timeout=30) for _ in range(shared.slots)]
             close = getattr(shared.model, "close", None)
             if callable(close):
                 close()
+            shared.model = None
+            for got in held:
+                if got:
+                    shared.lock.release()
         _models.clear()
 
 
@@ -133,7 +144,11 @@ async def push_from_thread(
             with model.lock:
                 if cancelled.is_set():
                     return
-                run(cancelled, emit)
+                model.running.add(cancelled)
+                try:
+                    run(cancelled, emit)
+                finally:
+                    model.running.discard(cancelled)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting side
             put("error", e)
         finally:

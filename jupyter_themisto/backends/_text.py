@@ -143,6 +143,9 @@ class AnswerBounds:
             self._lines.append(line)
             out.append(rest + "\n")
             self._partial = ""
+        if buf and not self.stopped and not self._partial and len(self._lines) >= self.max_lines:
+            self.stopped = True  # a line past the last one allowed begins
+            return "".join(out)
         if buf and not self.stopped:
             # A line that could still turn out to be a repetition of a recent one is held back.
             candidate = self._partial + buf
@@ -176,7 +179,9 @@ def _normalized(text: str) -> str:
 
 def code_lines(text: str) -> list[str]:
     """The lines of `text` that are code: not blank, not only a comment."""
-    return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def degenerate_reason(text: str, previous: str | None) -> str | None:

@@ -208,7 +208,9 @@ class LlamaCppPredictor(LocalModelPredictor):
                     return True
             if "error" in chunk or "code" in chunk and "message" in chunk:
                 error = chunk.get("error", chunk)
-                errors.append(str(error.get("message", error) if isinstance(error, dict) else error))
+                errors.append(
+                    str(error.get("message", error) if isinstance(error, dict) else error)
+                )
                 return True
             choices = chunk.get("choices") or [{}]
             text = choices[0].get("text") or ""

