@@ -17,13 +17,18 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import secrets
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 #: bytes read at a time while joining and hashing
 _BLOCK = 1 << 20
+
+#: one assembly at a time in this process (the server's preloading and a request may both ask)
+_assembling = threading.Lock()
 
 
 class ModelFileError(Exception):
@@ -139,10 +144,11 @@ def parts_installed(spec: ModelSpec) -> bool:
 def model_dirs() -> list[Path]:
     """Where an assembled model is looked for, first match wins: Jupyter's data path
     (`jupyter --paths`: the user's data directory, then the environment's, then the system's),
-    each with `themisto/models` appended."""
+    each with `themisto/models` appended, and this environment's share folder in any case."""
     from jupyter_core.paths import jupyter_path
 
-    return [Path(p) for p in jupyter_path("themisto", "models")]
+    dirs = [Path(p) for p in jupyter_path("themisto", "models")]
+    return dirs + [d for d in [env_model_dir()] if d not in dirs]
 
 
 def user_model_dir() -> Path:
@@ -192,11 +198,11 @@ def ensure_model(
         if not spec.assembled:
             raise ModelFileError(_missing(spec, spec.parts[0]))
         target_dir = user_model_dir()
-    else:
+    with _assembling:
         existing = Path(target_dir) / spec.filename
         if existing.is_file() and existing.stat().st_size == spec.size:
-            return existing
-    return assemble(spec, Path(target_dir), progress=progress)
+            return existing  # made meanwhile by another thread, or there already
+        return assemble(spec, Path(target_dir), progress=progress)
 
 
 def _missing(spec: ModelSpec, part: ModelPart) -> str:
@@ -230,7 +236,7 @@ def assemble(spec: ModelSpec, target_dir: Path, *, progress: Progress | None = N
     target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / spec.filename
     _remove_stale_partials(target)
-    tmp = target.with_name(f".{spec.filename}.{os.getpid()}.partial")
+    tmp = target.with_name(f".{spec.filename}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     whole = hashlib.sha256()
     done = 0
     try:
@@ -269,9 +275,10 @@ def assemble(spec: ModelSpec, target_dir: Path, *, progress: Progress | None = N
 def _remove_stale_partials(target: Path) -> None:
     """Remove temporary files of assemblies whose process is gone (killed mid-way)."""
     for leftover in target.parent.glob(f".{target.name}.*.partial"):
-        pid = leftover.name[len(target.name) + 2 : -len(".partial")]
-        if pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid():
+        pid = leftover.name[len(target.name) + 2 : -len(".partial")].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             continue  # another process is assembling right now
+        # This process assembles one at a time: a leftover of its own is stale too.
         leftover.unlink(missing_ok=True)
 
 
