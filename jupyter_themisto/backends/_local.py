@@ -206,6 +206,8 @@ class LocalModelPredictor(Predictor):
                 raise ValueError(f"{self.name} backend: {key} must be at least 1")
         if self.suggestion_timeout <= 0:
             raise ValueError(f"{self.name} backend: suggestion_timeout must be > 0")
+        #: answers ended by suggestion_timeout (for health details and tests)
+        self.timed_out = 0
 
     def shared(self) -> SharedModel:
         raise NotImplementedError
@@ -271,6 +273,7 @@ class LocalModelPredictor(Predictor):
                     break
                 except asyncio.TimeoutError:
                     self.env.log.info("%s: answer ended after %g s", self.name, job.time_limit)
+                    self.timed_out += 1
                     return
                 text = bounds.feed(fences.feed(scanner.feed(piece)))
                 if text:
@@ -305,6 +308,7 @@ class LocalModelPredictor(Predictor):
             temperature = self.temperature if attempt == 0 else self.sample_temperature
             text, sent, index = "", 0, len(seen)
             job = Completion(prompt, stops, self.max_tokens, temperature, self.seed + attempt)
+            timed_out = self.timed_out
             async for piece in self._complete(job):
                 text += piece
                 if attempt == 0 and index == 0 and not hold_back(text, previous):
@@ -312,6 +316,8 @@ class LocalModelPredictor(Predictor):
                     sent = len(text)
             key = text.strip()
             why = degenerate_reason(text, previous)
+            if not text.strip() and self.timed_out > timed_out:
+                why = f"no answer within {self.suggestion_timeout:g} s (suggestion_timeout)"
             if why is not None or key in seen:
                 dropped.append(why or "a repeat of a suggestion above")
                 if sent:  # streamed already (cannot happen for a degenerate one): close it

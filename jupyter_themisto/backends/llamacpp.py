@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,26 @@ FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_
 
 #: characters per token assumed when a prompt is cut to max_prompt_tokens (code: ~3.5-4)
 CHARS_PER_TOKEN = 3.0
+
+
+def import_engine() -> Any:
+    """Import xllamacpp, its OpenMP threads set to sleep rather than spin while they wait.
+
+    llama.cpp's CPU threads synchronize through OpenMP, which by default spins while it waits:
+    on a machine whose cores are busy (a kernel computing, other processes) that made generation
+    ~10 times slower here (1 token/s instead of 10 on 2 loaded cores). libgomp reads
+    OMP_WAIT_POLICY once, when it is loaded; a value the person set is kept, and the variable
+    is removed again so that kernels started by this server do not inherit it.
+    """
+    if "xllamacpp" in sys.modules or "OMP_WAIT_POLICY" in os.environ:
+        import xllamacpp
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+        try:
+            import xllamacpp
+        finally:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+    return xllamacpp
 
 
 def bundled_model_path() -> Path | None:
@@ -125,7 +146,7 @@ class LlamaCppPredictor(LocalModelPredictor):
     def shared(self) -> SharedModel:
         path = self.model_path()
         try:
-            import xllamacpp
+            xllamacpp = import_engine()
         except ImportError as e:
             raise BackendUnavailable(
                 f"llamacpp: xllamacpp is not installed ({e}); pip install 'jupyter-themisto[llm]'"
