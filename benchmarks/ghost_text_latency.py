@@ -127,7 +127,7 @@ def measure(backend: str, cells: list[str]) -> None:
             f"  median {statistics.median(latencies):.0f} ms, p90 {qs[-1]:.0f} ms, "
             f"min {min(latencies):.0f} ms, max {max(latencies):.0f} ms (target <= 300 ms)"
         )
-    for source, text in list(zip(cells[1:], texts))[:3]:
+    for source, text in list(zip(cells[1:], texts, strict=False))[:3]:
         print(f"  after {source!r}: {text!r}")
 
 

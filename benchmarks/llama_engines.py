@@ -9,7 +9,10 @@ Each engine runs in its own child process, one after the other, on the same prom
 prompts built from a benchmark notebook, as the llamacpp backend builds them):
 load time; time to first token with a cold prompt (nothing cached); with the prompt's prefix
 cached and one new cell appended (as when a person ran one more cell); with the whole prompt
-cached; and generation speed over 64 tokens. Greedy; same threads for both.
+cached; and generation speed over 64 tokens. Greedy; same threads for both; both engines'
+OpenMP threads sleep while they wait (OMP_WAIT_POLICY=passive, as the llamacpp backend sets
+it: spinning threads made generation ~10 times slower on busy cores), unless
+`--omp-wait-policy active`.
 
     .venv/bin/python benchmarks/llama_engines.py [--model PATH] [--repeat 5] [--threads 2]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -142,6 +146,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="xllamacpp,llama-cpp-python")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active"])
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     model = args.model
@@ -155,13 +160,16 @@ def main() -> None:
     before, after = prompts()
     print(f"model: {model}")
     print(f"prompt: {len(after)} characters; the new cell adds {len(after) - len(before)}")
-    print(f"threads: {args.threads}, repeat: {args.repeat}, greedy")
+    print(f"threads: {args.threads}, repeat: {args.repeat}, greedy, OpenMP {args.omp_wait_policy}")
+    print(f"load average: {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
+    env = dict(os.environ, OMP_WAIT_POLICY=args.omp_wait_policy)
     for engine in args.engines.split(","):
         done = subprocess.run(
             [sys.executable, __file__, "--child", engine, "--model", model]
             + ["--threads", str(args.threads), "--repeat", str(args.repeat)],
             capture_output=True,
             text=True,
+            env=env,
         )
         lines = done.stdout.strip().splitlines()
         if done.returncode != 0 or not lines:
@@ -174,6 +182,7 @@ def main() -> None:
             f" ms, one new cell {r['ttft_new_cell_ms']:5.0f} ms, cached {r['ttft_cached_ms']:5.0f}"
             f" ms | {r['tokens_per_s']:5.1f} tokens/s"
         )
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,9 @@ async def in_process(notebooks: list[Path], n_cells: int) -> None:
     print(f"whole suggestion, cold:                    {ms(cold_total)}")
     everything = session_total + cold_total
     over = sum(1 for t in everything if t > limit + 0.05)
-    print(f"suggestions over {limit:g} s: {over} of {len(everything)} (max {max(everything):.2f} s)")
+    print(
+        f"suggestions over {limit:g} s: {over} of {len(everything)} (max {max(everything):.2f} s)"
+    )
 
     cells = notebook_cells(notebooks[0], 12)
     prompt = "".join(f"# %%\n{s}\n\n" for s in cells) + "# %%\nfor i in range(100):\n"
