@@ -129,3 +129,35 @@ async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverap
     body["backend"] = "retrieval"
     r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
     assert r.code == 204
+
+
+async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_serverapp, store_path):
+    """Sent as a cell starts running: the cell is not recorded yet, but its source is read."""
+    from jupyter_themisto.backends._local import Completion
+    from jupyter_themisto.context import ContextCell, completion_prompt
+
+    store = TrajectoryStore(store_path)
+    tid = store.create_trajectory(notebook_path="run.ipynb", kernel_id="k-run")
+    recorded = ["import numpy as np", "xs = np.arange(10)"]
+    for i, source in enumerate(recorded):
+        store.add_execution(tid, {"source": source, "status": "ok", "execution_count": i + 1})
+    running = "ys = xs ** 2"
+    cells = [{"cell_type": "code", "source": s} for s in [*recorded, running]]
+    body = {"kernel_id": "k-run", "cells": cells, "warm": True, "with_runtime": False}
+    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    assert r.code == 204
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    backend = manager.backend(None)
+    # The prompt that ends with the running cell is in the cache.
+    from jupyter_themisto.context import PredictionContext
+
+    ctx = PredictionContext(cells=[ContextCell(source=c["source"]) for c in cells])
+    prompt, stops = completion_prompt(ctx, "next-cell")
+    model = backend.shared()
+    with model.lock:
+        answer = model.model.handle_completions(
+            backend.request(Completion(prompt, stops, 2), stream=False)
+        )
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    store.close()

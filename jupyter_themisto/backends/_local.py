@@ -208,6 +208,9 @@ class LocalModelPredictor(Predictor):
             raise ValueError(f"{self.name} backend: suggestion_timeout must be > 0")
         #: answers ended by suggestion_timeout (for health details and tests)
         self.timed_out = 0
+        #: warm-ups running, by notebook (kernel id, else path), and the one to run next
+        self._warming: dict[str, asyncio.Future[None]] = {}
+        self._next_warm: dict[str, PredictionContext] = {}
 
     def shared(self) -> SharedModel:
         raise NotImplementedError
@@ -302,12 +305,24 @@ class LocalModelPredictor(Predictor):
         wanted = max(1, n)
         seen: set[str] = set()
         dropped: list[str] = []
+        # The first suggestion (the one on screen) has suggestion_timeout in all, stand-ins for
+        # a dropped greedy answer included; each further one has its own.
+        first_deadline = time.monotonic() + self.suggestion_timeout
+        await self._settle(ctx)
         for attempt in range(wanted + 2):
             if len(seen) >= wanted:
                 break
+            limit = self.suggestion_timeout
+            if not seen:
+                limit = first_deadline - time.monotonic()
+                if limit <= 0.05:
+                    dropped.append(f"no answer within {self.suggestion_timeout:g} s")
+                    break
             temperature = self.temperature if attempt == 0 else self.sample_temperature
             text, sent, index = "", 0, len(seen)
-            job = Completion(prompt, stops, self.max_tokens, temperature, self.seed + attempt)
+            job = Completion(
+                prompt, stops, self.max_tokens, temperature, self.seed + attempt, time_limit=limit
+            )
             timed_out = self.timed_out
             async for piece in self._complete(job):
                 text += piece
@@ -316,16 +331,20 @@ class LocalModelPredictor(Predictor):
                     sent = len(text)
             key = text.strip()
             why = degenerate_reason(text, previous)
-            if not text.strip() and self.timed_out > timed_out:
+            if self.timed_out > timed_out and not text.strip():
                 why = f"no answer within {self.suggestion_timeout:g} s (suggestion_timeout)"
             if why is not None or key in seen:
                 dropped.append(why or "a repeat of a suggestion above")
                 if sent:  # streamed already (cannot happen for a degenerate one): close it
                     yield NextCellChunk(index=index, text="", done=True)
                     seen.add(key)
+                if self.timed_out > timed_out and seen:
+                    break
                 continue
             seen.add(key)
             yield NextCellChunk(index=index, text=text[sent:], done=True)
+            if self.timed_out > timed_out:
+                break  # the machine is too busy for more: no further attempts
         if not seen:
             reasons = ", ".join(sorted(set(dropped))) or "nothing"
             raise NoPrediction(f"the {self.name} model suggested nothing worth showing ({reasons})")
@@ -344,13 +363,46 @@ class LocalModelPredictor(Predictor):
 
     async def warm(self, ctx: PredictionContext) -> None:
         """Make the next prediction for `ctx` fast: load the model, and let engines that keep
-        a prompt cache evaluate the prompt now (see `prefill`)."""
+        a prompt cache evaluate the prompt now (see `prefill`). A prediction for the same
+        notebook asked meanwhile waits for this to finish and starts from its cache. Warm-ups
+        of one notebook asked while one runs (cells run in a row) are folded: only the newest
+        runs next."""
+        key = _notebook_key(ctx)
+        running = self._warming.get(key)
+        if running is not None and not running.done():
+            self._next_warm[key] = ctx
+            return
         model = await self._model()
-        prompt, _ = completion_prompt(ctx, "next-cell")
-        await asyncio.to_thread(self.prefill, model, Completion(prompt, max_tokens=1))
+        next_ctx: PredictionContext | None = ctx
+        while next_ctx is not None:
+            prompt, _ = completion_prompt(next_ctx, "next-cell")
+            task = asyncio.ensure_future(
+                asyncio.to_thread(self.prefill, model, Completion(prompt, max_tokens=1))
+            )
+            self._warming[key] = task
+            try:
+                await asyncio.shield(task)
+            finally:
+                if self._warming.get(key) is task:
+                    del self._warming[key]
+            next_ctx = self._next_warm.pop(key, None)
+
+    async def _settle(self, ctx: PredictionContext) -> None:
+        """Wait (within the suggestion's time) for a warm-up of this notebook still running:
+        starting beside it would evaluate the same prompt twice, on the same cores."""
+        task = self._warming.get(_notebook_key(ctx))
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.suggestion_timeout / 2)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - only a head start
+                pass
 
     def prefill(self, model: SharedModel, job: Completion) -> None:
         """Evaluate `job.prompt` into the engine's prompt cache, if it has one."""
+
+
+def _notebook_key(ctx: PredictionContext) -> str:
+    return ctx.kernel_id or ctx.notebook_path or ctx.trajectory_id or ""
 
 
 def _previous_cell(ctx: PredictionContext) -> str | None:

@@ -20,7 +20,7 @@ from ..backends import (
     available_backends,
     create_backend,
 )
-from ..context import PredictionContext, build_context
+from ..context import ContextCell, PredictionContext, build_context
 from ..redaction import redact_variable
 from ..store import TrajectoryStore
 from .models import NextCellRequest, OutputRequest
@@ -304,6 +304,12 @@ class ThemistoManager:
         ctx = self._context_for(req, "next-cell")
         if ctx is None:
             return
+        # Asked as a cell starts running: it is not recorded yet, but its source is known (the
+        # last code cell the browser sent), and it is what the next prompt goes on from.
+        sent = [c.source for c in req.cells or [] if c.cell_type == "code" and c.source.strip()]
+        recorded = [c.source for c in ctx.cells if c.cell_type == "code"]
+        if sent and (not recorded or recorded[-1] != sent[-1]):
+            ctx.cells.append(ContextCell(source=sent[-1], execution_count=None))
         try:
             await asyncio.wait_for(warm(ctx), self.prediction_timeout)
         except asyncio.TimeoutError:

@@ -136,11 +136,6 @@ export function activateNextCell(
     invokeWhenRecorded(panel, cell);
   });
 
-  NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
-    // A cell that starts running makes any next-cell prediction in flight stale.
-    provider.cancel();
-    pendingOf(notebook).add(cell.model.id);
-  });
   /**
    * Let the backend evaluate the prompt for a cell after `cell` now, while the person reads
    * the output: the suggestion asked for later (a new cell, Alt+\\) then starts at once.
@@ -163,6 +158,17 @@ export function activateNextCell(
     await requestJSON('predict/next-cell', { method: 'POST', body: JSON.stringify(request) });
   };
 
+  NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
+    // A cell that starts running makes any next-cell prediction in flight stale.
+    provider.cancel();
+    pendingOf(notebook).add(cell.model.id);
+    // While it runs, the model can already read the prompt up to it: the suggestion asked for
+    // when it is recorded then evaluates only what the run added.
+    const panel = tracker.find(p => p.content === notebook);
+    if (panel && cell.model.type === 'code' && service.isActiveFor(panel)) {
+      void warm(panel, cell).catch(() => undefined);
+    }
+  });
   NotebookActions.executed.connect((_, { notebook, cell }) => {
     const set = pendingOf(notebook);
     set.delete(cell.model.id);
