@@ -241,6 +241,27 @@ async def test_bad_settings_and_model_paths_are_clear(tmp_path):
         llama(suggestion_timeout=0)
 
 
+async def test_the_engines_own_listener_refuses_everyone(model_file):
+    """xllamacpp always opens an HTTP listener: another local user or a web page must get
+    nothing from it (no completions, no model list, no slots, no web page)."""
+    backend = llama()
+    address = backend.shared().model.listening_address
+    assert address.startswith("http://127.0.0.1:")
+    with httpx.Client(timeout=30) as client:
+        for method, path in [
+            ("POST", "/completion"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/v1/models"),
+            ("GET", "/slots"),
+            ("GET", "/props"),
+        ]:
+            r = client.request(method, address + path, json={"prompt": "x", "n_predict": 1})
+            assert r.status_code in (401, 403, 404, 501), (path, r.status_code, r.text[:200])
+        page = client.get(address + "/")
+        assert "<html" not in page.text.lower()  # the web page is off
+
+
 # -- degenerate answers are dropped, never shown ---------------------------------------------
 
 
