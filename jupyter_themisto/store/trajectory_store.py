@@ -194,9 +194,11 @@ class TrajectoryStore:
             )
 
     def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
-        row = self._conn().execute(
-            _TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(_TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,))
+            .fetchone()
+        )
         return _trajectory_dict(row) if row else None
 
     def list_trajectories(
@@ -270,9 +272,11 @@ class TrajectoryStore:
     def count_executions(self, trajectory_id: str | None = None) -> int:
         if trajectory_id is None:
             return self._conn().execute("SELECT count(*) FROM executions").fetchone()[0]
-        return self._conn().execute(
-            "SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,)
-        ).fetchone()[0]
+        return (
+            self._conn()
+            .execute("SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,))
+            .fetchone()[0]
+        )
 
     def set_snapshot_status(self, execution_id: int, status: str) -> None:
         with self._write() as conn:
@@ -301,18 +305,24 @@ class TrajectoryStore:
         return found is not None
 
     def get_blob(self, digest: str) -> bytes:
-        row = self._conn().execute(
-            "SELECT codec, data FROM blobs WHERE hash = ?", (digest,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT codec, data FROM blobs WHERE hash = ?", (digest,))
+            .fetchone()
+        )
         if row is None:
             raise KeyError(digest)
         return _decompress(row["data"], row["codec"])
 
     def blob_stats(self) -> dict[str, int]:
-        row = self._conn().execute(
-            "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
-            " coalesce(sum(stored_size), 0) AS stored FROM blobs"
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
+                " coalesce(sum(stored_size), 0) AS stored FROM blobs"
+            )
+            .fetchone()
+        )
         return {"count": row["n"], "size": row["size"], "stored_size": row["stored"]}
 
     # -- snapshots ---------------------------------------------------------------------------
@@ -366,9 +376,11 @@ class TrajectoryStore:
         return sid
 
     def get_snapshot(self, execution_id: int) -> dict[str, Any] | None:
-        row = self._conn().execute(
-            "SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,))
+            .fetchone()
+        )
         return dict(row) if row else None
 
     def get_variables(self, execution_id: int) -> list[dict[str, Any]]:
@@ -382,20 +394,72 @@ class TrajectoryStore:
 
     def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
         """The variables of the trajectory's most recent snapshot that was written."""
-        row = self._conn().execute(
-            "SELECT e.id FROM executions e JOIN snapshots s ON s.execution_id = e.id"
-            " WHERE e.trajectory_id = ? ORDER BY e.order_index DESC LIMIT 1",
-            (trajectory_id,),
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT e.id FROM executions e JOIN snapshots s ON s.execution_id = e.id"
+                " WHERE e.trajectory_id = ? ORDER BY e.order_index DESC LIMIT 1",
+                (trajectory_id,),
+            )
+            .fetchone()
+        )
         return self.get_variables(row["id"]) if row else []
+
+    # -- secret digests (jupyter_themisto.redaction) ------------------------------------------
+
+    def add_secret_digests(self, rows: Iterable[tuple[str, int, bool]]) -> int:
+        """Record keyed hashes of secret values: (digest, length, holds whitespace) each."""
+        rows = list(rows)
+        if not rows:
+            return 0
+        now = time.time()
+        with self._write() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT OR IGNORE INTO secret_digests (digest, length, spaced, created_at)"
+                " VALUES (?, ?, ?, ?)",
+                [(d, int(n), int(bool(sp)), now) for d, n, sp in rows],
+            )
+            return conn.total_changes - before
+
+    def secret_digests(self) -> list[tuple[str, int, bool]]:
+        rows = self._conn().execute("SELECT digest, length, spaced FROM secret_digests")
+        return [(d, n, bool(sp)) for d, n, sp in rows]
+
+    def secret_digest_count(self) -> int:
+        return self._conn().execute("SELECT count(*) FROM secret_digests").fetchone()[0]
+
+    @contextmanager
+    def secure_rewrite(self) -> Iterator[_Rewrite]:
+        """One transaction that replaces recorded content (a secret learnt late): replaced
+        bytes are zeroed (secure_delete) and the WAL is checkpointed and truncated afterwards,
+        so the old text is left neither in the database file nor in its log."""
+        conn = self._conn()
+        conn.execute("PRAGMA secure_delete = ON")
+        try:
+            with self._write() as conn:
+                rewrite = _Rewrite(conn)
+                yield rewrite
+            if rewrite.changes:
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                except sqlite3.Error:
+                    pass  # a busy reader: the next checkpoint overwrites the old pages
+        finally:
+            conn.execute("PRAGMA secure_delete = OFF")
 
     def latest_trajectory_for_kernel(self, kernel_id: str) -> dict[str, Any] | None:
         """The newest trajectory recorded by the kernel `kernel_id` (a restart starts another)."""
-        row = self._conn().execute(
-            _TRAJECTORY_SELECT + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
-            " LIMIT 1",
-            (kernel_id,),
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                _TRAJECTORY_SELECT
+                + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
+                " LIMIT 1",
+                (kernel_id,),
+            )
+            .fetchone()
+        )
         return _trajectory_dict(row) if row else None
 
     def variable_changes(self, trajectory_id: str) -> dict[str, int]:
@@ -407,6 +471,40 @@ class TrajectoryStore:
             (trajectory_id,),
         )
         return {name: order for name, order in rows}
+
+
+class _Rewrite:
+    """The writes TrajectoryStore.secure_rewrite allows."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.changes = 0
+
+    def execution(self, execution_id: int, *, source: str, outputs: list[Any]) -> None:
+        self.conn.execute(
+            "UPDATE executions SET source = ?, outputs = ? WHERE id = ?",
+            (source, json.dumps(outputs), execution_id),
+        )
+        self.changes += 1
+
+    def variable(self, snapshot_id: int, name: str, reason: str) -> None:
+        """Make a variable record a stub: no size, summary, blob or fingerprint."""
+        self.conn.execute(
+            "UPDATE variables SET size = NULL, summary = ?, blob_hash = NULL, fingerprint = NULL,"
+            " stub_reason = ? WHERE snapshot_id = ? AND name = ?",
+            (json.dumps({"redacted": True}), reason, snapshot_id, name),
+        )
+        self.changes += 1
+
+    def drop_blobs(self, digests: Iterable[str]) -> None:
+        """Delete blobs no variable refers to any more."""
+        for digest in digests:
+            self.conn.execute(
+                "DELETE FROM blobs WHERE hash = ? AND NOT EXISTS"
+                " (SELECT 1 FROM variables WHERE blob_hash = ?)",
+                (digest, digest),
+            )
+            self.changes += 1
 
 
 _TRAJECTORY_SELECT = (
