@@ -194,11 +194,9 @@ class TrajectoryStore:
             )
 
     def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
-        row = (
-            self._conn()
-            .execute(_TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,))
-            .fetchone()
-        )
+        row = self._conn().execute(
+            _TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,)
+        ).fetchone()
         return _trajectory_dict(row) if row else None
 
     def list_trajectories(
@@ -272,11 +270,9 @@ class TrajectoryStore:
     def count_executions(self, trajectory_id: str | None = None) -> int:
         if trajectory_id is None:
             return self._conn().execute("SELECT count(*) FROM executions").fetchone()[0]
-        return (
-            self._conn()
-            .execute("SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,))
-            .fetchone()[0]
-        )
+        return self._conn().execute(
+            "SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,)
+        ).fetchone()[0]
 
     def set_snapshot_status(self, execution_id: int, status: str) -> None:
         with self._write() as conn:
@@ -305,24 +301,18 @@ class TrajectoryStore:
         return found is not None
 
     def get_blob(self, digest: str) -> bytes:
-        row = (
-            self._conn()
-            .execute("SELECT codec, data FROM blobs WHERE hash = ?", (digest,))
-            .fetchone()
-        )
+        row = self._conn().execute(
+            "SELECT codec, data FROM blobs WHERE hash = ?", (digest,)
+        ).fetchone()
         if row is None:
             raise KeyError(digest)
         return _decompress(row["data"], row["codec"])
 
     def blob_stats(self) -> dict[str, int]:
-        row = (
-            self._conn()
-            .execute(
-                "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
-                " coalesce(sum(stored_size), 0) AS stored FROM blobs"
-            )
-            .fetchone()
-        )
+        row = self._conn().execute(
+            "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
+            " coalesce(sum(stored_size), 0) AS stored FROM blobs"
+        ).fetchone()
         return {"count": row["n"], "size": row["size"], "stored_size": row["stored"]}
 
     # -- snapshots ---------------------------------------------------------------------------
@@ -376,11 +366,9 @@ class TrajectoryStore:
         return sid
 
     def get_snapshot(self, execution_id: int) -> dict[str, Any] | None:
-        row = (
-            self._conn()
-            .execute("SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,))
-            .fetchone()
-        )
+        row = self._conn().execute(
+            "SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,)
+        ).fetchone()
         return dict(row) if row else None
 
     def get_variables(self, execution_id: int) -> list[dict[str, Any]]:
@@ -394,15 +382,11 @@ class TrajectoryStore:
 
     def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
         """The variables of the trajectory's most recent snapshot that was written."""
-        row = (
-            self._conn()
-            .execute(
-                "SELECT e.id FROM executions e JOIN snapshots s ON s.execution_id = e.id"
-                " WHERE e.trajectory_id = ? ORDER BY e.order_index DESC LIMIT 1",
-                (trajectory_id,),
-            )
-            .fetchone()
-        )
+        row = self._conn().execute(
+            "SELECT e.id FROM executions e JOIN snapshots s ON s.execution_id = e.id"
+            " WHERE e.trajectory_id = ? ORDER BY e.order_index DESC LIMIT 1",
+            (trajectory_id,),
+        ).fetchone()
         return self.get_variables(row["id"]) if row else []
 
     # -- secret digests (jupyter_themisto.redaction) ------------------------------------------
@@ -450,16 +434,11 @@ class TrajectoryStore:
 
     def latest_trajectory_for_kernel(self, kernel_id: str) -> dict[str, Any] | None:
         """The newest trajectory recorded by the kernel `kernel_id` (a restart starts another)."""
-        row = (
-            self._conn()
-            .execute(
-                _TRAJECTORY_SELECT
-                + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
-                " LIMIT 1",
-                (kernel_id,),
-            )
-            .fetchone()
-        )
+        row = self._conn().execute(
+            _TRAJECTORY_SELECT + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
+            " LIMIT 1",
+            (kernel_id,),
+        ).fetchone()
         return _trajectory_dict(row) if row else None
 
     def variable_changes(self, trajectory_id: str) -> dict[str, int]:
