@@ -114,6 +114,9 @@ class TrajectoryStore:
                     )
                     conn.execute("PRAGMA journal_mode=WAL")
                     conn.execute("PRAGMA synchronous=NORMAL")
+                    # Zero what a write frees within a page (no extra I/O): text moved by a
+                    # page split leaves no copy behind for a later secret scrub to miss.
+                    conn.execute("PRAGMA secure_delete=FAST")
                 conn.execute("PRAGMA foreign_keys=ON")
                 conn.row_factory = sqlite3.Row
             except sqlite3.Error as e:
@@ -430,7 +433,7 @@ class TrajectoryStore:
                 except sqlite3.Error:
                     pass  # a busy reader: the next checkpoint overwrites the old pages
         finally:
-            conn.execute("PRAGMA secure_delete = OFF")
+            conn.execute("PRAGMA secure_delete = FAST")
 
     def latest_trajectory_for_kernel(self, kernel_id: str) -> dict[str, Any] | None:
         """The newest trajectory recorded by the kernel `kernel_id` (a restart starts another)."""
