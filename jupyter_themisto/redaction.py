@@ -50,24 +50,51 @@ _MAX_DICT_ENTRIES = 5000
 # The output text scanned per output beyond the recorder's own cut (a secret straddling it).
 _SCAN_MARGIN = 4096
 
-# Credentials recognisable by their shape alone, wherever they appear.
+# Credentials recognisable by their shape alone, wherever they appear. Each pattern opens with
+# a literal (the regex engine then skips ahead to it); the word boundary before it is checked
+# after a match, which keeps a scan of a 64 KB output well under a millisecond.
 TOKEN_PATTERNS: dict[str, str] = {
-    "OpenAI / Anthropic / DeepSeek key": r"\bsk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{20,}",
-    "Stripe key": r"\b[rsp]k_(?:live|test)_[A-Za-z0-9]{16,}",
-    "GitHub token": r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})",
-    "GitLab token": r"\bglpat-[A-Za-z0-9_-]{20,}",
-    "AWS access key id": r"\b(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA)[0-9A-Z]{16}\b",
-    "Slack token": r"\bxox[abposr]-[A-Za-z0-9-]{10,}",
-    "Google API key": r"\bAIza[0-9A-Za-z_-]{35}",
-    "Hugging Face token": r"\bhf_[A-Za-z0-9]{30,}",
-    "JSON Web Token": r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
+    "OpenAI / Anthropic / DeepSeek key": r"sk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{20,}",
+    "Stripe key": r"[rsp]k_(?:live|test)_[A-Za-z0-9]{16,}",
+    "GitHub token": r"gh[pousr]_[A-Za-z0-9]{30,}",
+    "GitHub fine-grained token": r"github_pat_[A-Za-z0-9_]{30,}",
+    "GitLab token": r"glpat-[A-Za-z0-9_-]{20,}",
+    "AWS access key id": r"A(?:KIA|SIA|GPA|IDA|ROA|NPA)[0-9A-Z]{16}(?![0-9A-Za-z])",
+    "Slack token": r"xox[abposr]-[A-Za-z0-9-]{10,}",
+    "Google API key": r"AIza[0-9A-Za-z_-]{35}",
+    "Hugging Face token": r"hf_[A-Za-z0-9]{30,}",
+    "JSON Web Token": r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
     "PEM private key": (
         r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----"
     ),
-    "bearer token": r"(?<=[Bb]earer )[A-Za-z0-9._~+/-]{20,}=*",
+    "bearer token": r"[Bb]earer [A-Za-z0-9._~+/-]{20,}=*",
 }
-_TOKENS = re.compile("|".join(f"(?:{p})" for p in TOKEN_PATTERNS.values()))
-_TOKENS_BYTES = re.compile("|".join(f"(?:{p})" for p in TOKEN_PATTERNS.values()).encode())
+_TOKENS = [re.compile(p) for p in TOKEN_PATTERNS.values()]
+_TOKENS_BYTES = [re.compile(p.encode()) for p in TOKEN_PATTERNS.values()]
+_BEARER = "bearer token"
+
+
+def _token_spans(text: str) -> list[tuple[int, int]]:
+    """Where credential-shaped strings are in `text` (starting at a word boundary)."""
+    spans = []
+    for (name, _), regex in zip(TOKEN_PATTERNS.items(), _TOKENS, strict=True):
+        for m in regex.finditer(text):
+            i = m.start()
+            if i and (text[i - 1].isalnum() or text[i - 1] == "_"):
+                continue
+            if name == _BEARER:
+                i += len("bearer ")
+            spans.append((i, m.end()))
+    return spans
+
+
+def _bytes_hold_token(data: bytes) -> bool:
+    for regex in _TOKENS_BYTES:
+        for m in regex.finditer(data):
+            i = m.start()
+            if not i or not (chr(data[i - 1]).isalnum() or data[i - 1] == 0x5F):
+                return True
+    return False
 
 
 @lru_cache(maxsize=32)
@@ -161,6 +188,8 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
     values are appended to `found` (as written and as Python reads them).
     """
     regex = compile_pattern(pattern)
+    if not _may_name_secret(text, pattern, regex):
+        return text
 
     def scrub(m: re.Match[str]) -> str:
         if not regex.search(m.group("name")):
@@ -178,20 +207,74 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
             found.append(body.strip("'\""))
         return m.group("lhs") + REDACTED
 
-    for binding in _BINDINGS:
-        text = binding.sub(scrub, text)
-    return _SHELL_BINDING.sub(scrub_shell, text)
+    def bind(region: str) -> str:
+        for binding in _BINDINGS:
+            region = binding.sub(scrub, region)
+        return _SHELL_BINDING.sub(scrub_shell, region)
+
+    if len(text) <= _WHOLE_TEXT:
+        return bind(text)
+    # A long text (an HTML table): only the lines naming a secret, and what a literal opened
+    # there spans, can hold a binding.
+    parts, last = [], 0
+    for start, end in _regions(text, regex):
+        parts += [text[last:start], bind(text[start:end])]
+        last = end
+    parts.append(text[last:])
+    return "".join(parts)
+
+
+# Texts up to this long are searched whole; longer ones around the names that match only.
+_WHOLE_TEXT = 4096
+_DEFAULT_WORDS = ("key", "token", "secret", "passw", "credential")
+
+
+def _may_name_secret(text: str, pattern: str | None, regex: re.Pattern[str]) -> bool:
+    """False when no secret name can occur in `text` (a fast path for the default pattern)."""
+    if pattern in (None, "", DEFAULT_SECRET_PATTERN):
+        low = text.lower()
+        return any(w in low for w in _DEFAULT_WORDS)
+    return regex.search(text) is not None
+
+
+def _regions(text: str, regex: re.Pattern[str]) -> list[tuple[int, int]]:
+    """Disjoint spans of `text`: each line with a secret-name match and the next one, extended
+    to the close of a triple-quoted literal opened there."""
+    spans: list[tuple[int, int]] = []
+    for m in regex.finditer(text):
+        start = text.rfind("\n", 0, m.start()) + 1
+        end = text.find("\n", m.end())
+        end = len(text) if end < 0 else text.find("\n", end + 1)
+        end = len(text) if end < 0 else end
+        for q in ('"""', "'''"):
+            opened = text.find(q, m.end(), end)
+            if opened >= 0:
+                closed = text.find(q, opened + 3)
+                if closed >= 0:
+                    end = max(end, closed + 3)
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+        else:
+            spans.append((start, end))
+    return spans
 
 
 def redact_tokens(text: str, found: list[str] | None = None) -> str:
     """`text` with every credential-shaped string (TOKEN_PATTERNS) replaced by "<redacted>"."""
-
-    def scrub(m: re.Match[str]) -> str:
+    spans = _token_spans(text)
+    if not spans:
+        return text
+    spans.sort()
+    parts, last = [], 0
+    for i, j in spans:
+        if i < last:  # overlapping shapes: the first one already covers it
+            continue
+        parts += [text[last:i], REDACTED]
         if found is not None:
-            found.append(m.group(0))
-        return REDACTED
-
-    return _TOKENS.sub(scrub, text)
+            found.append(text[i:j])
+        last = j
+    parts.append(text[last:])
+    return "".join(parts)
 
 
 def redact_source(source: str, pattern: str | None = None) -> str:
@@ -276,16 +359,16 @@ def secret_digest(key: bytes, value: str) -> str:
     return mac[:DIGEST_BYTES].hex()
 
 
-# A candidate secret starts at the text's start or after a character that is not a letter or
-# digit (a quote, a space, `=`, `:`, `/`…).
-_WORD_START = re.compile(r"(?<![A-Za-z0-9])(?=\S)")
+# A recorded value is looked for where it stands apart: the characters just before and just
+# after it are not letters or digits (or it starts or ends the text).
+_DELIMITER = re.compile(r"[^A-Za-z0-9]")
 _RUN = re.compile(r"\S+")
 
 
 class DigestMatcher:
     """Finds, in a text, the secret values whose keyed hashes are recorded (see the module's
-    docstring): candidates are substrings of a recorded length starting at a word boundary
-    (within one whitespace-free run, unless a recorded value holds whitespace)."""
+    docstring): candidates are the substrings of a recorded length with no letter or digit
+    just before or just after them (and no whitespace, unless a recorded value holds some)."""
 
     def __init__(self, key: bytes, digests: Iterable[tuple[str, int, bool]]) -> None:
         self.key = key
@@ -297,9 +380,9 @@ class DigestMatcher:
                 continue
             self.digests.add(digest)
             (spaced if has_space else compact).add(length)
-        self.compact = sorted(compact)
-        self.spaced = sorted(spaced)
-        self._shortest = min(self.compact + self.spaced, default=0)
+        # length -> whether a value of that length may hold whitespace
+        self.lengths = {n: n in spaced for n in sorted(compact | spaced)}
+        self._shortest = min(self.lengths, default=0)
         # hash() of windows known not to be secret: an int each, however long the window.
         self._clean: set[int] = set()
 
@@ -322,25 +405,29 @@ class DigestMatcher:
         if not self.digests or len(text) < self._shortest:
             return set()
         windows: set[str] = set()
-        if self.compact:
-            for run in _RUN.finditer(text, 0):
+        compact = [n for n, spaced in self.lengths.items() if not spaced]
+        if compact:
+            # A value without whitespace lies within one run of non-space characters.
+            for run in _RUN.finditer(text):
                 start, end = run.span()
-                if end - start < self.compact[0]:
-                    continue
-                for b in _WORD_START.finditer(text, start, end):
-                    i = b.start()
-                    for n in self.compact:
-                        if i + n > end:
-                            break
-                        windows.add(text[i : i + n])
-        if self.spaced:
-            for b in _WORD_START.finditer(text):
-                i = b.start()
-                for n in self.spaced:
-                    if i + n > len(text):
-                        break
-                    windows.add(text[i : i + n])
-        return {w for w in windows if self._is_secret(w)}
+                if end - start >= compact[0]:
+                    self._windows(text, start, end, compact, windows)
+        spaced = [n for n, spaced in self.lengths.items() if spaced]
+        if spaced:
+            self._windows(text, 0, len(text), spaced, windows)
+        return {w for w in windows if w.strip() == w and self._is_secret(w)}
+
+    @staticmethod
+    def _windows(text: str, start: int, end: int, lengths: list[int], out: set[str]) -> None:
+        """The substrings of text[start:end] of the given lengths with no letter or digit
+        just before or just after them: between two such edges, n + 1 apart."""
+        edges = [start - 1, *(m.start() for m in _DELIMITER.finditer(text, start, end)), end]
+        edge_set = set(edges)
+        for n in lengths:
+            if n > end - start:
+                break
+            for before in edge_set.intersection([e - n - 1 for e in edges]):
+                out.add(text[before + 1 : before + 1 + n])
 
     def scrub(self, text: str) -> str:
         for value in sorted(self.find(text), key=len, reverse=True):
@@ -518,11 +605,11 @@ class KernelSecrets:
 
     def text_holds_secret(self, text: str) -> bool:
         return any(form in text for form in self._forms) or bool(
-            _TOKENS.search(text) or (self.matcher and self.matcher.find(text))
+            _token_spans(text) or (self.matcher and self.matcher.find(text))
         )
 
     def bytes_hold_secret(self, data: bytes) -> bool:
-        if any(e in data for e in self._encoded) or _TOKENS_BYTES.search(data):
+        if any(e in data for e in self._encoded) or _bytes_hold_token(data):
             return True
         if self.matcher:
             return any(self.matcher.find(s) for s in pickle_strings(data))
@@ -682,7 +769,7 @@ class StoreRedactor:
 
     def blob_holds_secret(self, data: bytes) -> bool:
         """True when a serialized value holds a credential-shaped string or a recorded value."""
-        if _TOKENS_BYTES.search(data):
+        if _bytes_hold_token(data):
             return True
         if self.matcher:
             return any(self.matcher.find(s) for s in pickle_strings(data))
