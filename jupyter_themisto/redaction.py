@@ -291,8 +291,14 @@ def redact_text(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
-def scrub_json(obj: Any, scrub: Callable[[str], str], _depth: int = 0) -> Any:
-    """A copy of a JSON-like value with `scrub` applied to every string (keys included)."""
+def scrub_json(
+    obj: Any,
+    scrub: Callable[[str], str],
+    secret_key: Callable[[str], Any] | None = None,
+    _depth: int = 0,
+) -> Any:
+    """A copy of a JSON-like value with `scrub` applied to every string (keys included), and
+    the string under a key `secret_key` accepts (`{"password": "…"}`) replaced whole."""
     if isinstance(obj, str):
         return scrub(obj)
     if _depth > 100:
@@ -303,12 +309,16 @@ def scrub_json(obj: Any, scrub: Callable[[str], str], _depth: int = 0) -> Any:
             return REDACTED
         return obj if scrub(text) == text else REDACTED
     if isinstance(obj, Mapping):
-        return {
-            (scrub(k) if isinstance(k, str) else k): scrub_json(v, scrub, _depth + 1)
-            for k, v in obj.items()
-        }
+        out = {}
+        for k, v in obj.items():
+            key = scrub(k) if isinstance(k, str) else k
+            if isinstance(v, str) and v and isinstance(k, str) and secret_key and secret_key(k):
+                out[key] = REDACTED
+            else:
+                out[key] = scrub_json(v, scrub, secret_key, _depth + 1)
+        return out
     if isinstance(obj, (list, tuple)):
-        return [scrub_json(v, scrub, _depth + 1) for v in obj]
+        return [scrub_json(v, scrub, secret_key, _depth + 1) for v in obj]
     return obj
 
 
@@ -596,10 +606,12 @@ class KernelSecrets:
         return self.scrub(text, literals=True)
 
     def scrub_json(self, obj: Any) -> Any:
-        """Recorded outputs (or any JSON-like value) with every string scrubbed."""
+        """Recorded outputs (or any JSON-like value) with every string scrubbed, and strings
+        under secret-named keys replaced (not learnt: a plot's spec names many keys)."""
+        regex = compile_pattern(self.pattern)
         if not self._forms and not self.matcher:
-            return scrub_json(obj, lambda t: redact_tokens(t))
-        return scrub_json(obj, self.scrub)
+            return scrub_json(obj, lambda t: redact_tokens(t), regex.search)
+        return scrub_json(obj, self.scrub, regex.search)
 
     # snapshot values ------------------------------------------------------------------------
 
@@ -747,7 +759,7 @@ class StoreRedactor:
         return out
 
     def scrub_json(self, obj: Any) -> Any:
-        return scrub_json(obj, self.scrub_text)
+        return scrub_json(obj, self.scrub_text, compile_pattern(self.pattern).search)
 
     def scrub_execution(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """An execution row (store shape) with its source and outputs scrubbed."""

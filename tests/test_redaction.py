@@ -330,3 +330,22 @@ def test_a_value_learnt_late_is_scrubbed_from_earlier_rows_and_the_file(tmp_path
     store.close()
     for f in tmp_path.iterdir():
         assert late.encode() not in f.read_bytes(), f.name
+
+
+def test_json_values_under_secret_keys_are_replaced_not_learnt():
+    ks = KernelSecrets()
+    outputs = [
+        {
+            "output_type": "display_data",
+            "data": {"application/json": {"db": {"password": "json-planted-0009"}, "rows": 3}},
+            "metadata": {},
+        }
+    ]
+    out = ks.scrub_json(outputs)
+    assert out[0]["data"]["application/json"] == {"db": {"password": REDACTED}, "rows": 3}
+    assert "json-planted-0009" not in ks.values  # a plot spec's "key" fields are not secrets
+    server = StoreRedactor(None)
+    assert server.scrub_json({"api_token": "abcdefgh", "n": "abcdefgh"}) == {
+        "api_token": REDACTED,
+        "n": "abcdefgh",
+    }
