@@ -34,6 +34,7 @@ import secrets as _random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from functools import lru_cache
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,18 @@ def _may_name_secret(text: str, pattern: str | None, regex: re.Pattern[str]) -> 
         low = text.lower()
         return any(w in low for w in _DEFAULT_WORDS)
     return regex.search(text) is not None
+
+
+def _secret_lines(lines: str, pattern: str | None, regex: re.Pattern[str]) -> set[str]:
+    """The lines of `lines` (names, one a line) that the secret pattern matches."""
+    if not lines or not _may_name_secret(lines, pattern, regex):
+        return set()
+    found = set()
+    for m in regex.finditer(lines):
+        start = lines.rfind("\n", 0, m.start()) + 1
+        end = lines.find("\n", m.end())
+        found.add(lines[start : len(lines) if end < 0 else end])
+    return found
 
 
 def _regions(text: str, regex: re.Pattern[str]) -> list[tuple[int, int]]:
@@ -503,7 +516,7 @@ class KernelSecrets:
         self.generation = 0
         self.matcher: DigestMatcher | None = None
         self._digest_count = -1
-        self._environ: dict[str, str] = {}
+        self._environ: dict[Any, Any] = {}
         #: how many bytes of each output are scanned (the recorder cuts the rest)
         self.output_limit: int | None = None
 
@@ -544,21 +557,22 @@ class KernelSecrets:
         """Learn the values bound to secret names in the namespace, the environment and the
         source (literals and credential-shaped strings)."""
         regex = compile_pattern(self.pattern)
-        budget = _MAX_DICT_ENTRIES
-        for name, value in list(namespace.items()):
-            if name.startswith("_"):
-                continue
+        names = [n for n in namespace if isinstance(n, str) and not n.startswith("_")]
+        for name in _secret_lines("\n".join(names), self.pattern, regex):
+            value = namespace.get(name)
             if isinstance(value, (str, bytes)):
-                if regex.search(name):
-                    self.learn(value)
-            elif isinstance(value, dict) and budget > 0:
+                self.learn(value)
+        budget = _MAX_DICT_ENTRIES
+        for name in names:
+            value = namespace.get(name)
+            if type(value) is dict and budget > 0:
                 budget -= self._observe_dict(value, regex, budget, depth=0)
-        env = dict(os.environ)
-        if env != self._environ:
-            self._environ = env
-            for name, value in env.items():
-                if regex.search(name):
-                    self.learn(value)
+        # os.environ's own dict (bytes or str by platform) compares in C: most cells change none.
+        data = getattr(os.environ, "_data", None)
+        if data is None or data != self._environ:
+            self._environ = dict(data) if data is not None else {}
+            for name in _secret_lines("\n".join(os.environ), self.pattern, regex):
+                self.learn(os.environ.get(name))
         found: list[str] = []
         redact_tokens(redact_literals(source, self.pattern, found), found)
         self.learn_all(found)
@@ -567,13 +581,20 @@ class KernelSecrets:
         self, d: dict[Any, Any], regex: re.Pattern[str], budget: int, depth: int
     ) -> int:
         """Learn str values under secret-named keys; returns the entries looked at."""
-        seen = 0
-        for key, item in list(d.items())[:budget]:
-            seen += 1
-            if isinstance(key, str) and isinstance(item, (str, bytes)) and regex.search(key):
-                self.learn(item)
-            elif isinstance(item, dict) and depth < 2 and seen < budget:
-                seen += self._observe_dict(item, regex, budget - seen, depth + 1)
+        # One search over all the keys (joined in C): most dicts name no secret, cost no more.
+        try:
+            names = "\n".join(islice(d, budget))
+        except TypeError:  # not all keys are strings
+            names = "\n".join([k for k in islice(d, budget) if isinstance(k, str)])
+        if names and _may_name_secret(names, self.pattern, regex):
+            for key, item in islice(d.items(), budget):
+                if isinstance(key, str) and isinstance(item, (str, bytes)) and regex.search(key):
+                    self.learn(item)
+        seen = min(len(d), budget)
+        if depth < 2 and dict in set(map(type, islice(d.values(), budget))):
+            for item in islice(d.values(), budget):
+                if type(item) is dict and seen < budget:
+                    seen += self._observe_dict(item, regex, budget - seen, depth + 1)
         return seen
 
     # scrubbing ------------------------------------------------------------------------------
