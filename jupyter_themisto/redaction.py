@@ -519,6 +519,10 @@ class KernelSecrets:
         self._environ: dict[Any, Any] = {}
         #: how many bytes of each output are scanned (the recorder cuts the rest)
         self.output_limit: int | None = None
+        # hash() of the texts scrub_output returned since the last scrub_json, and the
+        # generation then: scrub_json does not scan them again unless a value was learnt since.
+        self._scrubbed: set[int] = set()
+        self._scrubbed_at = 0
 
     # learning ------------------------------------------------------------------------------
 
@@ -620,19 +624,24 @@ class KernelSecrets:
     def scrub_output(self, text: str) -> str:
         """An output's text: like `scrub` with literals (a displayed `{'password': …}`), over
         the part the recorder keeps (the rest is cut after this)."""
+        if not self._scrubbed:
+            self._scrubbed_at = self.generation
         limit = self.output_limit
         if limit is not None and len(text) > limit + _SCAN_MARGIN:
             bound = limit + _SCAN_MARGIN
             return self.scrub(text[:bound], literals=True) + text[bound:]
-        return self.scrub(text, literals=True)
+        out = self.scrub(text, literals=True)
+        self._scrubbed.add(hash(out))
+        return out
 
     def scrub_json(self, obj: Any) -> Any:
         """Recorded outputs (or any JSON-like value) with every string scrubbed, and strings
         under secret-named keys replaced (not learnt: a plot's spec names many keys)."""
         regex = compile_pattern(self.pattern)
-        if not self._forms and not self.matcher:
-            return scrub_json(obj, lambda t: redact_tokens(t), regex.search)
-        return scrub_json(obj, self.scrub, regex.search)
+        done = self._scrubbed if self.generation == self._scrubbed_at else set()
+        self._scrubbed = set()
+        scrub = self.scrub if self._forms or self.matcher else redact_tokens
+        return scrub_json(obj, lambda t: t if hash(t) in done else scrub(t), regex.search)
 
     # snapshot values ------------------------------------------------------------------------
 

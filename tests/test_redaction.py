@@ -349,3 +349,15 @@ def test_json_values_under_secret_keys_are_replaced_not_learnt():
         "api_token": REDACTED,
         "n": "abcdefgh",
     }
+
+
+def test_a_value_learnt_from_a_later_output_is_scrubbed_from_the_earlier_ones():
+    ks = KernelSecrets()
+    first = ks.scrub_output("the value is early-printed-0010\n")
+    second = ks.scrub_output("{'password': 'early-printed-0010'}")
+    assert "early-printed-0010" in first and "early-printed-0010" not in second
+    outputs = [{"output_type": "stream", "text": first}, {"output_type": "stream", "text": second}]
+    assert "early-printed-0010" not in json.dumps(ks.scrub_json(outputs))
+    # Nothing new learnt: the texts scrub_output returned are not scanned a second time.
+    clean = ks.scrub_output("plain text")
+    assert ks.scrub_json([clean]) == ["plain text"] and not ks._scrubbed
