@@ -51,49 +51,71 @@ _MAX_DICT_ENTRIES = 5000
 # The output text scanned per output beyond the recorder's own cut (a secret straddling it).
 _SCAN_MARGIN = 4096
 
-# Credentials recognisable by their shape alone, wherever they appear. Each pattern opens with
-# a literal (the regex engine then skips ahead to it); the word boundary before it is checked
-# after a match, which keeps a scan of a 64 KB output well under a millisecond.
-TOKEN_PATTERNS: dict[str, str] = {
-    "OpenAI / Anthropic / DeepSeek key": r"sk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{20,}",
-    "Stripe key": r"[rsp]k_(?:live|test)_[A-Za-z0-9]{16,}",
-    "GitHub token": r"gh[pousr]_[A-Za-z0-9]{30,}",
-    "GitHub fine-grained token": r"github_pat_[A-Za-z0-9_]{30,}",
-    "GitLab token": r"glpat-[A-Za-z0-9_-]{20,}",
-    "AWS access key id": r"A(?:KIA|SIA|GPA|IDA|ROA|NPA)[0-9A-Z]{16}(?![0-9A-Za-z])",
-    "Slack token": r"xox[abposr]-[A-Za-z0-9-]{10,}",
-    "Google API key": r"AIza[0-9A-Za-z_-]{35}",
-    "Hugging Face token": r"hf_[A-Za-z0-9]{30,}",
-    "JSON Web Token": r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
-    "PEM private key": (
-        r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----"
-    ),
-    "bearer token": r"[Bb]earer [A-Za-z0-9._~+/-]{20,}=*",
+# Credentials recognisable by their shape alone, wherever they appear: (pattern, the letters
+# one of which stands just before a match, whether that letter belongs to the credential). Each
+# pattern opens with a literal, so the regex engine skips ahead to it (a 64 KB output is scanned
+# in about a millisecond); a match counts where no letter, digit or underscore precedes it.
+_TOKEN_SCANS: dict[str, list[tuple[str, str, bool]]] = {
+    "OpenAI / Anthropic / DeepSeek key": [(r"sk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{20,}", "", True)],
+    "Stripe key": [(r"k_(?:live|test)_[A-Za-z0-9]{16,}", "rsp", True)],
+    "GitHub token": [
+        (r"gh[pousr]_[A-Za-z0-9]{30,}", "", True),
+        (r"github_pat_[A-Za-z0-9_]{30,}", "", True),
+    ],
+    "GitLab token": [(r"glpat-[A-Za-z0-9_-]{20,}", "", True)],
+    "AWS access key id": [
+        (f"{p}[0-9A-Z]{{16}}(?![0-9A-Za-z])", "", True)
+        for p in ("AKIA", "ASIA", "AGPA", "AIDA", "AROA")
+    ],
+    "Slack token": [(r"xox[abposr]-[A-Za-z0-9-]{10,}", "", True)],
+    "Google API key": [(r"AIza[0-9A-Za-z_-]{35}", "", True)],
+    "Hugging Face token": [(r"hf_[A-Za-z0-9]{30,}", "", True)],
+    "JSON Web Token": [
+        (r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", "", True)
+    ],
+    "PEM private key": [
+        (r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----", "", True)
+    ],
+    # The token after "Bearer " (the word itself stays).
+    "bearer token": [(r"earer [A-Za-z0-9._~+/-]{20,}=*", "Bb", False)],
 }
-_TOKENS = [re.compile(p) for p in TOKEN_PATTERNS.values()]
-_TOKENS_BYTES = [re.compile(p.encode()) for p in TOKEN_PATTERNS.values()]
-_BEARER = "bearer token"
+TOKEN_PATTERNS = {name: [p for p, _, _ in scans] for name, scans in _TOKEN_SCANS.items()}
+_TOKENS = [
+    (re.compile(p), lead, keep) for scans in _TOKEN_SCANS.values() for p, lead, keep in scans
+]
+_TOKENS_BYTES = [
+    (re.compile(p.encode()), lead.encode())
+    for scans in _TOKEN_SCANS.values()
+    for p, lead, _ in scans
+]
+_BEARER_WORD = len("earer ")
 
 
 def _token_spans(text: str) -> list[tuple[int, int]]:
     """Where credential-shaped strings are in `text` (starting at a word boundary)."""
     spans = []
-    for (name, _), regex in zip(TOKEN_PATTERNS.items(), _TOKENS, strict=True):
+    for regex, lead, keep in _TOKENS:
         for m in regex.finditer(text):
             i = m.start()
+            if lead:
+                if i == 0 or text[i - 1] not in lead:
+                    continue
+                i -= 1
             if i and (text[i - 1].isalnum() or text[i - 1] == "_"):
                 continue
-            if name == _BEARER:
-                i += len("bearer ")
-            spans.append((i, m.end()))
+            spans.append((i if keep else m.start() + _BEARER_WORD, m.end()))
     return spans
 
 
 def _bytes_hold_token(data: bytes) -> bool:
-    for regex in _TOKENS_BYTES:
+    for regex, lead in _TOKENS_BYTES:
         for m in regex.finditer(data):
             i = m.start()
-            if not i or not (chr(data[i - 1]).isalnum() or data[i - 1] == 0x5F):
+            if lead:
+                if i == 0 or data[i - 1] not in lead:
+                    continue
+                i -= 1
+            if i == 0 or not (chr(data[i - 1]).isalnum() or data[i - 1] == 0x5F):
                 return True
     return False
 
@@ -218,7 +240,7 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
     # A long text (an HTML table): only the lines naming a secret, and what a literal opened
     # there spans, can hold a binding.
     parts, last = [], 0
-    for start, end in _regions(text, regex):
+    for start, end in _regions(text, pattern, regex):
         parts += [text[last:start], bind(text[start:end])]
         last = end
     parts.append(text[last:])
@@ -238,23 +260,46 @@ def _may_name_secret(text: str, pattern: str | None, regex: re.Pattern[str]) -> 
     return regex.search(text) is not None
 
 
+@lru_cache(maxsize=32)
+def _lowercase_pattern(pattern: str | None) -> re.Pattern[str] | None:
+    """The pattern compiled without IGNORECASE, for lowercased text, when it names no capital
+    letter (the default does not): many times faster than IGNORECASE over a long text."""
+    p = pattern or DEFAULT_SECRET_PATTERN
+    if p != p.lower():
+        return None
+    try:
+        return re.compile(p)
+    except re.error:
+        return None
+
+
+def _name_matches(text: str, pattern: str | None, regex: re.Pattern[str]) -> Iterator[Any]:
+    """Matches of the secret pattern in `text` (their spans index `text`)."""
+    fast = _lowercase_pattern(pattern)
+    if fast is not None:
+        low = text.lower()
+        if len(low) == len(text):  # no character whose lowercase is longer
+            return fast.finditer(low)
+    return regex.finditer(text)
+
+
 def _secret_lines(lines: str, pattern: str | None, regex: re.Pattern[str]) -> set[str]:
     """The lines of `lines` (names, one a line) that the secret pattern matches."""
     if not lines or not _may_name_secret(lines, pattern, regex):
         return set()
     found = set()
-    for m in regex.finditer(lines):
+    for m in _name_matches(lines, pattern, regex):
         start = lines.rfind("\n", 0, m.start()) + 1
         end = lines.find("\n", m.end())
         found.add(lines[start : len(lines) if end < 0 else end])
     return found
 
 
-def _regions(text: str, regex: re.Pattern[str]) -> list[tuple[int, int]]:
+def _regions(text: str, pattern: str | None, regex: re.Pattern[str]) -> list[tuple[int, int]]:
     """Disjoint spans of `text`: each line with a secret-name match and the next one, extended
     to the close of a triple-quoted literal opened there."""
     spans: list[tuple[int, int]] = []
-    for m in regex.finditer(text):
+    for m in _name_matches(text, pattern, regex):
         start = text.rfind("\n", 0, m.start()) + 1
         end = text.find("\n", m.end())
         end = len(text) if end < 0 else text.find("\n", end + 1)

@@ -361,3 +361,12 @@ def test_a_value_learnt_from_a_later_output_is_scrubbed_from_the_earlier_ones():
     # Nothing new learnt: the texts scrub_output returned are not scanned a second time.
     clean = ks.scrub_output("plain text")
     assert ks.scrub_json([clean]) == ["plain text"] and not ks._scrubbed
+
+
+def test_bearer_and_stripe_shapes():
+    header = "Authorization: Bearer abcdefghijklmnopqrstuvwxyz0123456789"
+    assert redact_tokens(header) == f"Authorization: Bearer {REDACTED}"
+    assert redact_tokens("key sk_live_" + "a1" * 12) == f"key {REDACTED}"
+    assert redact_tokens("xsk_live_" + "a1" * 12) == "xsk_live_" + "a1" * 12  # not a word start
+    assert KernelSecrets().bytes_hold_secret(pickle.dumps(["rk_test_" + "Z9" * 10]))
+    assert not KernelSecrets().bytes_hold_secret(pickle.dumps(["wrk_test_" + "Z9" * 10]))
