@@ -804,6 +804,9 @@ class StoreRedactor:
         self.matcher: DigestMatcher | None = None
         self._count = -1
         self._cache: dict[str, str] = {}
+        # Whether a summary holds a secret, by what identifies its value (blob, fingerprint):
+        # an unchanged variable recurs in every snapshot of a trajectory.
+        self._verdicts: dict[tuple[Any, ...], bool] = {}
 
     def refresh(self) -> None:
         """Pick up hashes recorded since the last call (cheap when there are none)."""
@@ -817,6 +820,7 @@ class StoreRedactor:
         self.matcher = DigestMatcher(key, self.store.secret_digests()) if key else None
         self._count = count
         self._cache.clear()
+        self._verdicts.clear()
 
     def scrub_text(self, text: str) -> str:
         if not text:
@@ -850,7 +854,15 @@ class StoreRedactor:
         out = redact_variable(record, self.pattern)
         summary = out.get("summary")
         if summary and not summary.get("redacted"):
-            if self.scrub_json(summary) != summary:
+            ident = (out.get("type"), out.get("blob_hash"), out.get("fingerprint"))
+            holds = self._verdicts.get(ident) if ident[1] or ident[2] else None
+            if holds is None:
+                holds = self.scrub_json(summary) != summary
+                if ident[1] or ident[2]:
+                    if len(self._verdicts) > 100_000:
+                        self._verdicts.clear()
+                    self._verdicts[ident] = holds
+            if holds:
                 return stub_variable(out, SECRET_VALUE_REASON)
         return out
 

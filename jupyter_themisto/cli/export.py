@@ -234,7 +234,7 @@ def execution_rows(
             "msg_id": e.get("msg_id"),
             "execution_count": e.get("execution_count"),
             "source": e["source"],
-            "output_text": outputs_to_text(e["outputs"], limit=1 << 40),
+            "output_text": "",  # from the scrubbed outputs, below
             "outputs": e["outputs"],
             "output_blobs": _blob_refs(e["outputs"]),
             "status": e["status"],
@@ -263,6 +263,7 @@ def execution_rows(
             ],
         }
         row = redactor.scrub_export_row(row)
+        row["output_text"] = outputs_to_text(row["outputs"], limit=1 << 40)
         row["outputs"] = json.dumps(row["outputs"], ensure_ascii=False)
         for i, v in enumerate(row["variables"]):
             if snapshots == "full" and v["blob_hash"] and blob_holds_secret(v["blob_hash"]):
