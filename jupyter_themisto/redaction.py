@@ -18,8 +18,9 @@ every source and output, and a variable whose value holds one becomes a stub.
 exports, in other processes, only get a keyed hash of each: HMAC-SHA256 under a random key kept
 in a file beside the store (`<store>.key`, mode 0600), truncated to 128 bits, with the value's
 length. The store alone confirms no guess (without the key a hash says nothing); with the key,
-a text is scrubbed by hashing its candidate substrings of the recorded lengths — those that
-start at a word boundary — and replacing the ones whose hash is recorded (`DigestMatcher`).
+a text is scrubbed by hashing its candidate substrings of the recorded lengths — those with no
+letter or digit just before or after them — and replacing the ones whose hash is recorded
+(`DigestMatcher`).
 """
 
 from __future__ import annotations
