@@ -166,9 +166,12 @@ _LITERAL = (
 )
 # What binds a literal to a name: the name is matched against the secret pattern.
 _BINDINGS = [
-    # `NAME = "…"`, `NAME: str = '…'`, `f(NAME="…")`, `(NAME := "…")`, `obj.NAME = "…"`
+    # `NAME = "…"`, `NAME: str = '…'`, `f(NAME="…")`, `(NAME := "…")`, `obj.NAME = "…"`.
+    # The annotation's words are separated by single runs of blanks, so that no run of spaces
+    # can be split two ways (an output with `key:` and a long row of spaces stays linear).
     re.compile(
-        r"(?P<lhs>\b(?P<name>[A-Za-z_][\w.]*)\s*(?::\s*[\w\[\], .|]+)?\s*:?=(?!=)\s*)" + _LITERAL
+        r"(?P<lhs>\b(?P<name>[A-Za-z_][\w.]*)[ \t]*"
+        r"(?::[ \t]*[\w\[\].,|]+(?:[ \t]+[\w\[\].,|]+)*[ \t]*)?:?=(?!=)[ \t]*)" + _LITERAL
     ),
     # `"NAME": "…"` in a dict display, JSON or a dict's repr
     re.compile(r"(?P<lhs>(?P<q>['\"])(?P<name>[^'\"\n]{1,200})(?P=q)\s*:\s*)" + _LITERAL),

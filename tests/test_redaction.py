@@ -10,8 +10,11 @@ import pickle
 import stat
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jupyter_themisto.redaction import (
+    MIN_SECRET_VALUE_LEN,
     REDACTED,
     SECRET_VALUE_REASON,
     DigestMatcher,
@@ -370,3 +373,52 @@ def test_bearer_and_stripe_shapes():
     assert redact_tokens("xsk_live_" + "a1" * 12) == "xsk_live_" + "a1" * 12  # not a word start
     assert KernelSecrets().bytes_hold_secret(pickle.dumps(["rk_test_" + "Z9" * 10]))
     assert not KernelSecrets().bytes_hold_secret(pickle.dumps(["wrk_test_" + "Z9" * 10]))
+
+
+# -- hostile texts ------------------------------------------------------------------------------
+
+PATHOLOGICAL = [
+    "api_key:" + " " * 50_000 + "x",
+    "api_key: " + "a " * 50_000,
+    "{'password': '" + "\\\\" * 50_000,
+    "sk-" + "a-" * 50_000 + "!",
+    '"token"' + " " * 50_000 + ":",
+    "x['token']" + " " * 50_000 + "=",
+    "%env TOKEN" + " " * 50_000 + "=",
+    "-----BEGIN RSA PRIVATE KEY-----" + "A" * 50_000,
+    "token = " + "(" * 50_000,
+]
+
+
+@pytest.mark.parametrize("text", PATHOLOGICAL, ids=lambda t: repr(t[:14]))
+def test_texts_built_to_make_the_patterns_backtrack_are_scanned_in_linear_time(text):
+    # A regex that splits a run of spaces two ways takes hours on these (pytest's timeout
+    # fails the test); every scrubber gets through each in milliseconds.
+    ks = KernelSecrets()
+    ks.learn(SECRET)
+    server = StoreRedactor(None)
+    for scrub in (redact_source, redact_tokens, ks.scrub_output, server.scrub_text):
+        assert isinstance(scrub(text), str)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    before=st.text(max_size=200),
+    after=st.text(max_size=200),
+    name=st.sampled_from(["api_key", "GITHUB_TOKEN", "db_password", "client_secret"]),
+    value=st.text(
+        alphabet=st.characters(blacklist_characters="'\"\\\n\r", blacklist_categories=["Cs"]),
+        min_size=MIN_SECRET_VALUE_LEN,
+        max_size=60,
+    ).filter(lambda v: v.strip() == v and v != REDACTED),
+    form=st.sampled_from(
+        ['{n} = "{v}"', "{n}='{v}'", '{{"{n}": "{v}"}}', 'os.environ["{n}"] = "{v}"']
+    ),
+)
+def test_a_planted_literal_never_survives_and_is_followed(before, after, name, value, form):
+    code = f"{before}\n{form.format(n=name, v=value)}\n{after}"
+    ks = KernelSecrets()
+    ks.observe({}, code)
+    assert value in ks.values
+    assert value not in ks.scrub(redact_source(code))
+    assert value not in ks.scrub(f"printed: {value}!")
