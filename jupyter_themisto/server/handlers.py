@@ -24,14 +24,13 @@ MAX_SQL_INT = 2**63 - 1
 def parse_int(name: str, raw: str, *, minimum: int = 0) -> int:
     """`raw` as an integer in [minimum, MAX_SQL_INT], else a 400 naming `name`."""
     shown = raw if len(raw) <= 40 else raw[:40] + "…"
+    wanted = f"{name}: must be an integer from {minimum} to {MAX_SQL_INT}, got {shown!r}"
     try:
         value = int(raw)
-    except ValueError:
-        raise web.HTTPError(400, f"{name}: must be an integer, got {shown!r}") from None
-    if value < minimum:
-        raise web.HTTPError(400, f"{name}: must be >= {minimum}, got {value}")
-    if value > MAX_SQL_INT:
-        raise web.HTTPError(400, f"{name}: must be <= {MAX_SQL_INT}, got {shown}")
+    except ValueError:  # not a number, or more digits than Python converts
+        raise web.HTTPError(400, wanted) from None
+    if not minimum <= value <= MAX_SQL_INT:
+        raise web.HTTPError(400, wanted)
     return value
 
 
