@@ -13,8 +13,9 @@ are never committed to this project.
 `materialize` checks out each pinned commit's whole tree (notebooks read sibling data files)
 into DEST/<owner>__<name>/. The git objects come from a local mirror when one is there
 ($THEMISTO_CORPUS_MIRROR, default /work/.mirror: <owner>+<name>/repo, bare or with a .git),
-else from `git clone https://github.com/<owner>/<name>` into DEST/.git-cache/. DEST is --dest,
-else $THEMISTO_CORPUS_DIR, else ~/.cache/jupyter-themisto/corpus.
+else from a `git clone` of https://github.com/<owner>/<name> ($THEMISTO_CORPUS_GIT_BASE replaces
+https://github.com) into DEST/.git-cache/. DEST is --dest, else $THEMISTO_CORPUS_DIR, else
+~/.cache/jupyter-themisto/corpus.
 
 Other benchmark scripts import it:
 
@@ -65,8 +66,10 @@ class CorpusError(Exception):
 # ---------------------------------------------------------------------------- the manifest
 
 
-def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
-    """The manifest, checked: every repository has `repo`, a 40-hex `commit` and notebooks."""
+def load_manifest(path: Path | None = None) -> dict[str, Any]:
+    """The manifest (default: benchmarks/corpus.json, or $THEMISTO_CORPUS_MANIFEST), checked:
+    every repository has `repo`, a 40-hex `commit` and notebooks."""
+    path = path or Path(os.environ.get("THEMISTO_CORPUS_MANIFEST") or MANIFEST)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -141,7 +144,7 @@ def git_dir_for(repo: str, commit: str, dest: Path) -> Path:
     if mirror is not None and _has_commit(mirror, commit):
         return mirror
     cache = dest / ".git-cache" / (repo.replace("/", "__") + ".git")
-    url = f"https://github.com/{repo}"
+    url = os.environ.get("THEMISTO_CORPUS_GIT_BASE", "https://github.com/").rstrip("/") + f"/{repo}"
     if not (cache / "HEAD").is_file():
         print(f"  cloning {url} …", flush=True)
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -307,14 +310,36 @@ def _statuses(store: Path, trajectory: str) -> Counter:
     return Counter(e["status"] for e in json.loads(r.stdout)["executions"])
 
 
-def record_one(path: Path, store: Path, timeout: float = 120.0) -> dict[str, Any]:
-    """`jupyter themisto record --allow-errors` of one notebook (a fresh python3 kernel)."""
+_NOISE = re.compile(r"it/s|cell/s|s/cell|s/it|Kernel is running over TCP|^\s*$")
+
+
+def _trajectory_of(store: Path, notebook: Path) -> str | None:
+    """The newest trajectory recorded from `notebook`, if any."""
+    if not store.is_file():
+        return None
+    r = _cli("list", "--json", "--store", str(store))
+    if r.returncode != 0:
+        return None
+    mine = [t for t in json.loads(r.stdout) if t["notebook_path"] == str(notebook.resolve())]
+    return mine[0]["id"] if mine else None
+
+
+def record_one(
+    path: Path, store: Path, timeout: float = 120.0, log: Path | None = None
+) -> dict[str, Any]:
+    """`jupyter themisto record --allow-errors` of one notebook (a fresh python3 kernel).
+    What the command and its kernel wrote on stderr (the recorder logs its failures there)
+    goes to `log`; the lines naming themisto are kept in the result too."""
     t0 = time.monotonic()
     r = _cli(
         "record", str(path), "--allow-errors", "--kernel", "python3",
         "--timeout", str(timeout), "--store", str(store),
     )  # fmt: skip
     seconds = time.monotonic() - t0
+    lines = [ln for ln in r.stderr.replace("\r", "\n").splitlines() if not _NOISE.search(ln)]
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"$ record {path}\n{r.stdout}\n" + "\n".join(lines) + "\n")
     m = re.search(r"trajectory (\S+), (\d+) cells recorded", r.stdout + r.stderr)
     result: dict[str, Any] = {
         "notebook": str(path),
@@ -324,15 +349,24 @@ def record_one(path: Path, store: Path, timeout: float = 120.0) -> dict[str, Any
         "errors": 0,
         "seconds": round(seconds, 2),
         "stopped": None,
+        "recorder_log": [
+            ln
+            for ln in lines
+            if "themisto:" in ln and "stopped:" not in ln and "recording to" not in ln
+        ],
     }
-    if m is None or m.group(1) == "None":
-        lines = (r.stderr or r.stdout).strip().splitlines()
-        result["stopped"] = lines[-1] if lines else f"record exited {r.returncode}"
-        return result
-    result["trajectory_id"] = m.group(1)
     stop = re.search(r"; stopped: (.*)", r.stderr)
-    result["stopped"] = stop.group(1) if stop else None
-    statuses = _statuses(store, m.group(1))
+    trajectory = m.group(1) if m and m.group(1) != "None" else None
+    if trajectory is None:
+        # `record` itself failed (e.g. a traceback): what it recorded is still in the store.
+        trajectory = _trajectory_of(store, path)
+        result["stopped"] = lines[-1] if lines else f"record exited {r.returncode}"
+    elif stop:
+        result["stopped"] = stop.group(1)
+    if trajectory is None:
+        return result
+    result["trajectory_id"] = trajectory
+    statuses = _statuses(store, trajectory)
     result["cells"] = sum(statuses.values())
     result["ok"] = statuses.get("ok", 0)
     result["errors"] = result["cells"] - result["ok"]
@@ -345,6 +379,8 @@ def record(
     """Record every corpus notebook into `store`, `jobs` kernels at a time; prints a line per
     notebook and a total. Returns the per-notebook results in manifest order."""
     dest = (dest or default_dest()).expanduser().resolve()
+    # Not checked out again (another run may be using the checkout); notebooks that write
+    # files beside them leave them there: `materialize --force` restores a pristine tree.
     paths = materialize(dest, quiet=True)
     store = store.expanduser().resolve()
     store.parent.mkdir(parents=True, exist_ok=True)
@@ -352,11 +388,15 @@ def record(
     results: list[dict[str, Any] | None] = [None] * len(paths)
     width = len(str(len(paths)))
 
+    logs = store.with_name(store.name + ".logs")
+
     def run(i: int) -> None:
-        res = record_one(paths[i], store, timeout)
+        res = record_one(paths[i], store, timeout, log=logs / f"{i + 1:04d}.log")
         res["key"] = notebook_key(paths[i], dest)
         results[i] = res
         stop = f"  STOPPED: {res['stopped']}" if res["stopped"] else ""
+        if res["recorder_log"]:
+            stop += f"  RECORDER: {len(res['recorder_log'])} log lines, {res['recorder_log'][0]}"
         print(
             f"[{i + 1:>{width}}/{len(paths)}] {res['cells']:4d} cells {res['errors']:3d} errors "
             f"{res['seconds']:7.1f} s  {res['key']}{stop}",
@@ -369,10 +409,12 @@ def record(
     cells = sum(r["cells"] for r in done)
     errors = sum(r["errors"] for r in done)
     stopped = sum(1 for r in done if r["stopped"])
+    noisy = sum(1 for r in done if r["recorder_log"])
     print(
         f"total: {len(done)} notebooks, {cells} cells recorded, {errors} errors "
         f"({errors / max(cells, 1):.1%}), {stopped} stopped early, "
-        f"{time.monotonic() - t0:.0f} s wall with {jobs} job(s)",
+        f"{time.monotonic() - t0:.0f} s wall with {jobs} job(s); recorder log lines in "
+        f"{noisy} notebooks (stderr of each run: {logs}/)",
         flush=True,
     )
     return done
@@ -430,6 +472,8 @@ def stats(store: Path, dest: Path | None = None) -> dict[str, Any]:
     if not store.is_file():
         raise CorpusError(f"no store at {store} (run `record --store {store}` first)")
     dest = (dest or default_dest()).expanduser().resolve()
+    listed = {f"{r['repo']}:{n}" for r in load_manifest()["repositories"] for n in r["notebooks"]}
+    outside: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="corpus-stats-") as tmp:
         out = Path(tmp) / "dump"
         r = _cli("export", "--out", str(out), "--snapshots", "none", "--store", str(store))
@@ -438,17 +482,22 @@ def stats(store: Path, dest: Path | None = None) -> dict[str, Any]:
         counts = json.loads((out / "dump.json").read_text())["counts"]
         per_repo: dict[str, Counter] = {}
         notebooks_seen: set[str] = set()
+        trajectories: set[str] = set()
         total: Counter = Counter()
         with open(out / "executions.jsonl", encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
                 nb = row["notebook_path"] or "?"
-                notebooks_seen.add(nb)
                 try:
-                    repo = repo_of(notebook_key(nb, dest))
+                    key = notebook_key(nb, dest)
                 except ValueError:
-                    repo = "(outside the corpus)"
-                c = per_repo.setdefault(repo, Counter())
+                    key = nb
+                if key not in listed:  # recorded from an older manifest, or not the corpus
+                    outside.add(key)
+                    continue
+                notebooks_seen.add(key)
+                trajectories.add(row["trajectory_id"])
+                c = per_repo.setdefault(repo_of(key), Counter())
                 for counter in (c, total):
                     counter["cells"] += 1
                     counter[row["status"]] += 1
@@ -456,9 +505,21 @@ def stats(store: Path, dest: Path | None = None) -> dict[str, Any]:
                         counter["text"] += 1
                         if row["status"] == "ok":
                             counter["ok_text"] += 1
+        # The task instances exactly as the export wrote them, of the listed notebooks only.
+        tasks = {}
+        for name in ("next_cell", "output"):
+            with open(out / f"{name}.jsonl", encoding="utf-8") as f:
+                tasks[name] = sum(
+                    1 for line in f if json.loads(line)["trajectory_id"] in trajectories
+                )
+        if not outside:
+            assert tasks == {k: counts[k] for k in tasks}, (tasks, counts)
+        next_cell, output_instances = tasks["next_cell"], tasks["output"]
     seconds: Counter = Counter()
     nbs_per_repo: Counter = Counter()
     for res in recording_results(store):
+        if res.get("key") not in listed:
+            continue
         seconds[repo_of(res["key"])] += res["seconds"]
         nbs_per_repo[repo_of(res["key"])] += 1
     return {
@@ -469,8 +530,9 @@ def stats(store: Path, dest: Path | None = None) -> dict[str, Any]:
         "other": total["cells"] - total["ok"] - total["error"],
         "text_output": total["text"],
         "ok_text_output": total["ok_text"],
-        "next_cell": counts["next_cell"],
-        "output_instances": counts["output"],
+        "next_cell": next_cell,
+        "output_instances": output_instances,
+        "not_in_manifest": sorted(outside),
         "per_repo": {
             repo: {**dict(c), "notebooks": nbs_per_repo.get(repo), "seconds": seconds.get(repo)}
             for repo, c in sorted(per_repo.items())
@@ -485,6 +547,8 @@ def print_stats(s: dict[str, Any]) -> None:
     print(f"cells with text output     {s['text_output']} ({s['ok_text_output']} of them ok)")
     print(f"next-cell instances        {s['next_cell']}")
     print(f"output instances           {s['output_instances']}")
+    if s["not_in_manifest"]:
+        print(f"left out: {len(s['not_in_manifest'])} recorded notebooks not in the manifest")
     print()
     head = ("repository", "nbs", "cells", "errors", "err %", "text", "s")
     print("{:48} {:>4} {:>6} {:>6} {:>6} {:>5} {:>7}".format(*head))
@@ -530,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "list":
             for p in materialize(args.dest, quiet=True):
                 print(p)
+            sys.stdout.flush()
         elif args.command == "record":
             store = args.store.expanduser().resolve()
             if store.exists():
@@ -551,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CorpusError as e:
         print(f"corpus.py: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `corpus.py list | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 

@@ -1,18 +1,20 @@
 """Ghost-text latency in a real browser: from a new empty cell becoming active to its ghost text.
 
-Starts a `jupyter lab` with the extension and the embedded retrieval backend (a fresh store
+For each backend (`--backends`, default: retrieval, then llamacpp with the embedded code
+model), starts a `jupyter lab` with the extension and that default backend (a fresh store
 seeded with one earlier trajectory of `--cells` cells), opens a notebook in Debian's chromium
 through Playwright, and runs the same cells one by one with Shift+Enter. After each run past
 the first, the new empty cell becomes active and its ghost text appears; an in-page
 MutationObserver timestamps both. The figure includes waiting for the cell just run to be
 answered and recorded (the plugin predicts from the recorded trajectory). Target: <= 300 ms.
 
-    .venv/bin/python benchmarks/ghost_text_latency.py [--cells 12]
+    .venv/bin/python benchmarks/ghost_text_latency.py [--cells 12] [--backends retrieval,llamacpp]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -50,12 +52,19 @@ OBSERVER = """() => {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=12, help="cells to run (default 12)")
+    parser.add_argument("--backends", default="retrieval,llamacpp")
     args = parser.parse_args()
     cells = [f"x{i} = {i} * 2" if i % 2 else f"print(x{i - 1} + {i})" for i in range(1, args.cells)]
     cells.insert(0, "import math")
     check_installed_build(ROOT)
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+    for backend in args.backends.split(","):
+        measure(backend, cells)
+
+
+def measure(backend: str, cells: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        lab = JupyterLab(Path(tmp))
+        lab = JupyterLab(Path(tmp), [f"--ThemistoExtensionApp.default_backend={backend}"])
         lab.store_path.parent.mkdir(parents=True)
         store = TrajectoryStore(lab.store_path)
         tid = store.create_trajectory(notebook_path="earlier.ipynb")
@@ -63,6 +72,7 @@ def main() -> None:
             store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
         lab.start()
         latencies: list[float] = []
+        texts: list[str] = []
         misses = 0
         try:
             with sync_playwright() as pw:
@@ -104,16 +114,21 @@ def main() -> None:
                         continue
                     t = page.evaluate("() => window.__t")
                     latencies.append(t["ghostAt"] - t["activeAt"])
+                    page.wait_for_timeout(1500)  # let the suggestion stream in before the next
+                    ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")
+                    texts.append(ghost.first.inner_text() if ghost.count() else "")
                 browser.close()
         finally:
             lab.stop()
-    print(f"ghost text latency over {len(latencies)} new cells ({misses} without ghost text):")
+    print(f"[{backend}] ghost text over {len(latencies)} new cells ({misses} without ghost text):")
     if latencies:
         qs = statistics.quantiles(latencies, n=10) if len(latencies) > 1 else latencies * 9
         print(
             f"  median {statistics.median(latencies):.0f} ms, p90 {qs[-1]:.0f} ms, "
             f"min {min(latencies):.0f} ms, max {max(latencies):.0f} ms (target <= 300 ms)"
         )
+    for source, text in list(zip(cells[1:], texts, strict=False))[:3]:
+        print(f"  after {source!r}: {text!r}")
 
 
 if __name__ == "__main__":

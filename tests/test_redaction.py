@@ -422,3 +422,31 @@ def test_a_planted_literal_never_survives_and_is_followed(before, after, name, v
     assert value in ks.values
     assert value not in ks.scrub(redact_source(code))
     assert value not in ks.scrub(f"printed: {value}!")
+
+
+def test_scrub_context_covers_every_text_field(tmp_path):
+    from dataclasses import dataclass, field
+
+    from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
+
+    @dataclass
+    class RicherContext(PredictionContext):  # a field a later version might add
+        cells_below: list[ContextCell] = field(default_factory=list)
+        last_error: str = ""
+
+    key = "sk-proj-PLANTEDabcdef0123456789xyz"
+    ctx = RicherContext(
+        cells=[ContextCell(source=f"k = {key!r}", output_text=f"{key}\n")],
+        variables=[
+            VariableInfo(name="x", type="str", summary={"repr": repr(key)}),
+            VariableInfo(name="n", type="int", summary={"repr": "3"}),
+        ],
+        target_source=f"print({key!r})",
+        cells_below=[ContextCell(source=f"use({key!r})")],
+        last_error=f"KeyError: {key!r}",
+    )
+    out = StoreRedactor(TrajectoryStore(tmp_path / "t.sqlite")).scrub_context(ctx)
+    assert key not in repr(out) and type(out) is RicherContext
+    assert out.variables[0].summary == {"redacted": True}
+    assert out.variables[1].summary == {"repr": "3"}
+    assert out.cells[0].source == f"k = {REDACTED!r}" and ctx.cells[0].source != out.cells[0].source

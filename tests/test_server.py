@@ -35,6 +35,7 @@ def jp_server_config(store_path, peer):
         "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
         "ThemistoExtensionApp": {
             "auto_record": False,
+            "default_backend": "retrieval",  # the server's choice is tested in test_routing.py
             "prediction_timeout": 5.0,
             "backend_settings": {
                 "openai": {

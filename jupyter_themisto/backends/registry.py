@@ -45,3 +45,15 @@ def create_backend(
 ) -> Predictor:
     """Build a backend by name with its own settings."""
     return load_backend_class(name)(config, env)
+
+
+def default_backend_name() -> str:
+    """The backend a server uses when its configuration names none: `llamacpp` (the embedded
+    code model) where its engine and model are installed (the `[llm]` extra), else
+    `retrieval`, which needs nothing."""
+    if "llamacpp" in available_backends():
+        from .llamacpp import local_model_installed
+
+        if local_model_installed():
+            return "llamacpp"
+    return "retrieval"

@@ -21,7 +21,7 @@ PROG = "jupyter-themisto"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import evaluate, export, listing, record
+    from . import evaluate, export, listing, model, record
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     store_help = "trajectory store file (default: $THEMISTO_STORE, else the Jupyter data directory)"
     parser.add_argument("--store", metavar="PATH", help=store_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (record, export, evaluate, listing):
+    for module in (record, export, evaluate, listing, model):
         module.add_parsers(sub)
     for command in sub.choices.values():
         # `jupyter themisto record nb.ipynb --store S` works as well as `--store S record …`.

@@ -8,6 +8,7 @@ from typing import Any
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Dict, Float, Int, Unicode, validate
 
+from ..backends import default_backend_name
 from ..store import STORE_ENV, TrajectoryStore, default_store_path
 from .autorecord import AutoRecorder
 from .handlers import default_handlers
@@ -27,9 +28,15 @@ class ThemistoExtensionApp(ExtensionApp):
         "record into the same file (it is exported to them as THEMISTO_STORE).",
     ).tag(config=True)
     default_backend = Unicode(
-        "retrieval",
+        "",
         help="Backend used when a request names none (an entry point of the "
-        "jupyter_themisto.backends group: retrieval, openai, anthropic, …).",
+        "jupyter_themisto.backends group: llamacpp, retrieval, openai, anthropic, …). Empty: "
+        "llamacpp (the embedded code model) when the [llm] extra is installed, else retrieval.",
+    ).tag(config=True)
+    preload_model = Bool(
+        True,
+        help="When the default backend runs a model in this process (llamacpp), load it in the "
+        "background as the server starts, so that the first suggestion does not wait for it.",
     ).tag(config=True)
     backend_settings = Dict(
         {},
@@ -93,9 +100,10 @@ class ThemistoExtensionApp(ExtensionApp):
         self._previous_store_env = os.environ.get(STORE_ENV)
         self._store_env = os.environ[STORE_ENV] = path
         self.store = TrajectoryStore(path)
+        default_backend = self.default_backend or default_backend_name()
         self.manager = ThemistoManager(
             self.store,
-            default_backend=self.default_backend,
+            default_backend=default_backend,
             backend_settings=self.backend_settings,
             kernel_manager=self.serverapp.kernel_manager,
             log=self.log,
@@ -111,9 +119,9 @@ class ThemistoExtensionApp(ExtensionApp):
         if self.auto_record:
             self.auto_recorder.attach()
         self.settings.update(themisto_manager=self.manager, themisto_app=self)
-        self.log.info(
-            "themisto: trajectory store %s; default backend %s", path, self.default_backend
-        )
+        if self.preload_model:
+            self.manager.preload_default()
+        self.log.info("themisto: trajectory store %s; default backend %s", path, default_backend)
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(default_handlers)

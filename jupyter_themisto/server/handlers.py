@@ -153,6 +153,16 @@ class PredictHandler(ThemistoHandler):
     @authorized
     async def post(self) -> None:
         req = self.parse()
+        if isinstance(req, NextCellRequest) and req.warm:
+            try:
+                await self.manager.warm(req)
+            except (NotFound, UnknownBackend) as e:
+                raise web.HTTPError(404, str(e)) from None
+            except BackendError as e:
+                raise web.HTTPError(e.status, str(e)) from None
+            self.set_status(204)
+            self.finish()
+            return
         self._work = asyncio.ensure_future(self._predict(req))
         try:
             await self._work

@@ -20,7 +20,7 @@ from ..backends import (
     available_backends,
     create_backend,
 )
-from ..context import PredictionContext, build_context
+from ..context import ContextCell, PredictionContext, build_context
 from ..redaction import StoreRedactor, redact_variable
 from ..store import TrajectoryStore
 from .models import NextCellRequest, OutputRequest
@@ -166,6 +166,18 @@ class ThemistoManager:
             out.append(entry)
         return out
 
+    def preload_default(self) -> None:
+        """Start loading the default backend's model in the background, if it runs one in this
+        process, so that the first suggestion does not wait for it."""
+        try:
+            backend = self.backend(None)
+        except Exception as e:  # the first request will say what is wrong
+            self.log.warning("themisto: default backend %s: %s", self.default_backend, e)
+            return
+        preload = getattr(backend, "preload", None)
+        if callable(preload):
+            preload()
+
     async def close(self) -> None:
         for task in list(self._active.values()):
             task.cancel()
@@ -195,6 +207,27 @@ class ThemistoManager:
         if not found:
             raise NotFound(f"no trajectory recorded for notebook {req.notebook_path!r}")
         return found[0]
+
+    def browser_context(self, req: NextCellRequest | OutputRequest) -> PredictionContext:
+        """A context from the cells the browser sent, for a notebook nothing is recorded of yet
+        (recording off, or a new user's first cells): its code cells as if run in order."""
+        cells = [c.model_dump() for c in req.cells or []]
+        rows = [
+            {"source": c["source"], "order_index": i, "status": "ok", "outputs": []}
+            for i, c in enumerate(cells)
+            if c["cell_type"] == "code" and c["source"].strip()
+        ]
+        return build_context(
+            rows,
+            [],
+            with_runtime=False,
+            target_source=getattr(req, "source", None),
+            notebook_cells=cells,
+            token_budget=self.token_budget,
+            max_output_chars=self.max_output_chars,
+            notebook_path=req.notebook_path,
+            kernel_id=req.kernel_id,
+        )
 
     def context(
         self, req: NextCellRequest | OutputRequest, trajectory: dict[str, Any]
@@ -268,6 +301,47 @@ class ThemistoManager:
         if key is not None and self._active.get(key) is asyncio.current_task():
             del self._active[key]
 
+    async def warm(self, req: NextCellRequest) -> None:
+        """Let the backend prepare the next-cell prediction for `req` (evaluate its prompt into
+        the model's cache) without answering it; backends with nothing to prepare do nothing."""
+        name = req.backend or self.default_backend
+        backend = self.backend(name)
+        warm = getattr(backend, "warm", None)
+        if not callable(warm):
+            return
+        ctx = self._context_for(req, "next-cell")
+        if ctx is None:
+            return
+        # Asked as a cell starts running: it is not recorded yet, but its source is known (the
+        # last code cell the browser sent), and it is what the next prompt goes on from.
+        sent = [c.source for c in req.cells or [] if c.cell_type == "code" and c.source.strip()]
+        recorded = [c.source for c in ctx.cells if c.cell_type == "code"]
+        if sent and (not recorded or recorded[-1] != sent[-1]):
+            ctx.cells.append(ContextCell(source=sent[-1], execution_count=None))
+        try:
+            # Scrubbed as at the door of open_stream: the backend's cache then holds the very
+            # prompt the prediction will send, and never a secret.
+            await asyncio.wait_for(warm(self.redactor.scrub_context(ctx)), self.prediction_timeout)
+        except asyncio.TimeoutError:
+            self.log.info(
+                "themisto: warming %s took longer than %g s", name, self.prediction_timeout
+            )
+
+    def _context_for(
+        self, req: NextCellRequest | OutputRequest, task: str
+    ) -> PredictionContext | None:
+        """The context of a request: its trajectory's, else (next cell) the browser's cells;
+        None when neither exists."""
+        try:
+            trajectory = self.resolve(req)
+        except NotFound:
+            if task != "next-cell" or not any(
+                c.cell_type == "code" and c.source.strip() for c in req.cells or []
+            ):
+                return None
+            return self.browser_context(req)
+        return self.context(req, trajectory)
+
     async def open_stream(
         self, req: NextCellRequest | OutputRequest, task: str
     ) -> tuple[Event, AsyncIterator[Event]]:
@@ -276,15 +350,27 @@ class ThemistoManager:
         Raises NotFound, UnknownBackend, BackendError (incl. BackendTimeout/Unavailable) when
         the failure comes before the first chunk, so that it can be a plain HTTP error.
         """
-        trajectory = self.resolve(req)
+        trajectory: dict[str, Any] | None = None
+        try:
+            trajectory = self.resolve(req)
+        except NotFound:
+            # Nothing recorded (yet): the cells the browser sent still say what comes next.
+            if task != "next-cell" or not any(
+                c.cell_type == "code" and c.source.strip() for c in req.cells or []
+            ):
+                raise
         name = req.backend or self.default_backend
         backend = self.backend(name)
         if task not in backend.tasks:
             raise NotFound(f"the {name} backend does not serve {task} predictions")
-        if req.with_runtime and task == "output":
-            await self.wait_for_snapshot(trajectory)
+        if trajectory is None:
+            ctx = self.browser_context(req)
+        else:
+            if req.with_runtime and task == "output":
+                await self.wait_for_snapshot(trajectory)
+            ctx = self.context(req, trajectory)
         # The one door to every backend: nothing secret passes it (values, literals, keys).
-        ctx = self.redactor.scrub_context(self.context(req, trajectory))
+        ctx = self.redactor.scrub_context(ctx)
         started = time.perf_counter()
         deadline = started + self.prediction_timeout
         agen: Any  # an async generator of NextCellChunk or OutputChunk

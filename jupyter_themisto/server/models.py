@@ -63,6 +63,9 @@ class PredictionRequest(BaseModel):
 
 class NextCellRequest(PredictionRequest):
     n: int = Field(3, ge=1, le=20)
+    #: only prepare: let the backend evaluate the prompt now (answered 204, no suggestion), so
+    #: that the suggestion asked for later starts at once
+    warm: bool = False
 
 
 class OutputRequest(PredictionRequest):

