@@ -51,6 +51,9 @@ def jp_server_config(store_path, peers):
         "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
         "ThemistoExtensionApp": {
             "auto_record": False,
+            # Not the embedded model (the default with the [llm] extra): these tests are not
+            # about it, and it would answer slowly on a busy machine.
+            "default_backend": "retrieval",
             "prediction_timeout": 20.0,
             "snapshot_wait": 0.2,
             "backend_settings": {
@@ -143,6 +146,7 @@ def bodies(tid: str) -> st.SearchStrategy[bytes]:
         "with_runtime": st.one_of(st.booleans(), json_values()),
         "client_id": st.one_of(st.text(max_size=20), json_values()),
         "n": st.one_of(st.integers(min_value=-5, max_value=25), json_values()),
+        "warm": st.one_of(st.booleans(), json_values()),
         "source": st.one_of(st.text(max_size=200), st.just("df.shape"), json_values()),
         "cells": st.one_of(
             st.lists(

@@ -40,6 +40,9 @@ def jp_server_config(store_path, peers):
         "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
         "ThemistoExtensionApp": {
             "auto_record": False,
+            # Not the embedded model (the default with the [llm] extra): these tests are not
+            # about it, and it would answer slowly on a busy machine.
+            "default_backend": "retrieval",
             "prediction_timeout": 60.0,
             "backend_settings": {
                 "openai": {"base_url": peers["openai"].url, **settings},
