@@ -1,23 +1,124 @@
-"""The secrets policy: which names are secret, and how records and exports are redacted.
+"""The secrets policy: which names and values are secret, and how everything recorded, exported
+or sent to a model is scrubbed of them.
 
 Pure (standard library only) so the kernel recorder, the server and the CLI apply the same rule.
-A name is secret when the case-insensitive pattern (default `key|token|secret|password|passwd|
-credential`) is found anywhere in it: `api_key`, `GITHUB_TOKEN`, `db_password` are secret;
-`monkey` is too (a false positive costs a summary, a false negative leaks a credential).
+
+**Names.** A name is secret when the case-insensitive pattern (default `key|token|secret|
+password|passwd|credential`) is found anywhere in it: `api_key`, `GITHUB_TOKEN`, `db_password`
+are secret; `monkey` is too (a false positive costs a summary, a false negative leaks a
+credential).
+
+**Values.** A value becomes known secret when it is bound to a secret name (a variable, a dict
+key, an environment variable set through `os.environ`, `putenv`, `setdefault`, `update`,
+`%env`), or when it has the shape of a credential wherever it appears (`sk-…`, `ghp_…`,
+`AKIA…`, `xox…-`, JWTs, PEM private keys, …). Known values are then followed: scrubbed from
+every source and output, and a variable whose value holds one becomes a stub.
+
+**Persistence without plaintext.** The kernel knows the values it learnt; the server and the
+exports, in other processes, only get a keyed hash of each: HMAC-SHA256 under a random key kept
+in a file beside the store (`<store>.key`, mode 0600), truncated to 128 bits, with the value's
+length. The store alone confirms no guess (without the key a hash says nothing); with the key,
+a text is scrubbed by hashing its candidate substrings of the recorded lengths — those with no
+letter or digit just before or after them — and replacing the ones whose hash is recorded
+(`DigestMatcher`).
 """
 
 from __future__ import annotations
 
+import ast
+import hmac
+import json
+import os
+import pickletools
 import re
-from collections.abc import Iterable, Mapping
+import secrets as _random
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import fields, is_dataclass, replace
 from functools import lru_cache
+from itertools import islice
+from pathlib import Path
 from typing import Any
 
 DEFAULT_SECRET_PATTERN = r"key|token|secret|password|passwd|credential"
 REDACTED = "<redacted>"
 REDACTED_REASON = "redacted: the name matches the secret pattern"
-# Values shorter than this are not scrubbed from text: "x" or "1" would erase half an output.
+SECRET_VALUE_REASON = "redacted: holds a secret value"
+# Values shorter than this are not followed: "x" or "1" would erase half an output.
 MIN_SECRET_VALUE_LEN = 6
+# Longer values bound to a secret name are still stubs, but not followed through text.
+MAX_SECRET_VALUE_LEN = 64 * 1024
+# A dict walk for values under secret-named keys looks at most this many entries per cell.
+_MAX_DICT_ENTRIES = 5000
+# The output text scanned per output beyond the recorder's own cut (a secret straddling it).
+_SCAN_MARGIN = 4096
+
+# Credentials recognisable by their shape alone, wherever they appear: (pattern, the letters
+# one of which stands just before a match, whether that letter belongs to the credential). Each
+# pattern opens with a literal, so the regex engine skips ahead to it (a 64 KB output is scanned
+# in about a millisecond); a match counts where no letter, digit or underscore precedes it.
+_TOKEN_SCANS: dict[str, list[tuple[str, str, bool]]] = {
+    "OpenAI / Anthropic / DeepSeek key": [(r"sk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_-]{20,}", "", True)],
+    "Stripe key": [(r"k_(?:live|test)_[A-Za-z0-9]{16,}", "rsp", True)],
+    "GitHub token": [
+        (r"gh[pousr]_[A-Za-z0-9]{30,}", "", True),
+        (r"github_pat_[A-Za-z0-9_]{30,}", "", True),
+    ],
+    "GitLab token": [(r"glpat-[A-Za-z0-9_-]{20,}", "", True)],
+    "AWS access key id": [
+        (f"{p}[0-9A-Z]{{16}}(?![0-9A-Za-z])", "", True)
+        for p in ("AKIA", "ASIA", "AGPA", "AIDA", "AROA")
+    ],
+    "Slack token": [(r"xox[abposr]-[A-Za-z0-9-]{10,}", "", True)],
+    "Google API key": [(r"AIza[0-9A-Za-z_-]{35}", "", True)],
+    "Hugging Face token": [(r"hf_[A-Za-z0-9]{30,}", "", True)],
+    "JSON Web Token": [
+        (r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", "", True)
+    ],
+    "PEM private key": [
+        (r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----", "", True)
+    ],
+    # The token after "Bearer " (the word itself stays).
+    "bearer token": [(r"earer [A-Za-z0-9._~+/-]{20,}=*", "Bb", False)],
+}
+TOKEN_PATTERNS = {name: [p for p, _, _ in scans] for name, scans in _TOKEN_SCANS.items()}
+_TOKENS = [
+    (re.compile(p), lead, keep) for scans in _TOKEN_SCANS.values() for p, lead, keep in scans
+]
+_TOKENS_BYTES = [
+    (re.compile(p.encode()), lead.encode())
+    for scans in _TOKEN_SCANS.values()
+    for p, lead, _ in scans
+]
+_BEARER_WORD = len("earer ")
+
+
+def _token_spans(text: str) -> list[tuple[int, int]]:
+    """Where credential-shaped strings are in `text` (starting at a word boundary)."""
+    spans = []
+    for regex, lead, keep in _TOKENS:
+        for m in regex.finditer(text):
+            i = m.start()
+            if lead:
+                if i == 0 or text[i - 1] not in lead:
+                    continue
+                i -= 1
+            if i and (text[i - 1].isalnum() or text[i - 1] == "_"):
+                continue
+            spans.append((i if keep else m.start() + _BEARER_WORD, m.end()))
+    return spans
+
+
+def _bytes_hold_token(data: bytes) -> bool:
+    for regex, lead in _TOKENS_BYTES:
+        for m in regex.finditer(data):
+            i = m.start()
+            if lead:
+                if i == 0 or data[i - 1] not in lead:
+                    continue
+                i -= 1
+            if i == 0 or not (chr(data[i - 1]).isalnum() or data[i - 1] == 0x5F):
+                return True
+    return False
 
 
 @lru_cache(maxsize=32)
@@ -44,45 +145,204 @@ def redact_variable(record: Mapping[str, Any], pattern: str | None = None) -> di
     out = dict(record)
     if not is_secret_name(str(out.get("name", "")), pattern):
         return out
-    out.update(
-        size=None,
-        summary={"redacted": True},
-        blob_hash=None,
-        fingerprint=None,
-        stub_reason=REDACTED_REASON,
-    )
+    return stub_variable(out, REDACTED_REASON)
+
+
+def stub_variable(record: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    """The record as a secret stub: name and type only, with `reason`."""
+    out = dict(record)
+    out.update(size=None, summary={"redacted": True}, blob_hash=None, fingerprint=None)
+    out["stub_reason"] = reason
     return out
 
 
-# `NAME = "literal"` / `NAME: str = 'literal'` with NAME secret; the literal is replaced.
-_ASSIGNMENT = re.compile(
-    r"""(?P<lhs>\b(?P<name>[A-Za-z_][\w.]*)\s*(?::\s*[\w\[\], .|]+)?\s*=\s*)"""
-    r"""(?P<prefix>[rRbBuUfF]{0,2})(?P<quote>'''|\"\"\"|'|")(?P<body>.*?)(?P=quote)""",
-    re.DOTALL,
+# -- literals in code and text ----------------------------------------------------------------
+
+# A Python string literal: triple-quoted (may span lines) or single-line (escapes honoured).
+_LITERAL = (
+    r"(?P<prefix>[rRbBuUfF]{0,2})"
+    r"(?:(?P<q3>'''|\"\"\")(?P<body3>[\s\S]*?)(?P=q3)"
+    r"|(?P<q1>['\"])(?P<body1>(?:\\.|(?!(?P=q1))[^\\\n])*)(?P=q1))"
 )
-# `"api_key": "literal"` inside a dict display, and `key="literal"` as a keyword argument.
-_MAPPING = re.compile(
-    r"""(?P<lhs>(?P<q>['"])(?P<name>[^'"\n]+)(?P=q)\s*:\s*)"""
-    r"""(?P<prefix>[rRbBuUfF]{0,2})(?P<quote>'''|\"\"\"|'|")(?P<body>.*?)(?P=quote)""",
-    re.DOTALL,
+# What binds a literal to a name: the name is matched against the secret pattern.
+_BINDINGS = [
+    # `NAME = "…"`, `NAME: str = '…'`, `f(NAME="…")`, `(NAME := "…")`, `obj.NAME = "…"`.
+    # The annotation's words are separated by single runs of blanks, so that no run of spaces
+    # can be split two ways (an output with `key:` and a long row of spaces stays linear).
+    re.compile(
+        r"(?P<lhs>\b(?P<name>[A-Za-z_][\w.]*)[ \t]*"
+        r"(?::[ \t]*[\w\[\].,|]+(?:[ \t]+[\w\[\].,|]+)*[ \t]*)?:?=(?!=)[ \t]*)" + _LITERAL
+    ),
+    # `"NAME": "…"` in a dict display, JSON or a dict's repr
+    re.compile(r"(?P<lhs>(?P<q>['\"])(?P<name>[^'\"\n]{1,200})(?P=q)\s*:\s*)" + _LITERAL),
+    # `x["NAME"] = "…"` (os.environ, a config dict, a DataFrame cell)
+    re.compile(
+        r"(?P<lhs>\[\s*(?P<q>['\"])(?P<name>[^'\"\n]{1,200})(?P=q)\s*\]\s*=(?!=)\s*)" + _LITERAL
+    ),
+    # `putenv("NAME", "…")`, `environ.setdefault("NAME", "…")`, `("NAME", "…")` pairs
+    re.compile(r"(?P<lhs>[(,\[]\s*(?P<q>['\"])(?P<name>[^'\"\n]{1,200})(?P=q)\s*,\s*)" + _LITERAL),
+]
+# `%env NAME=value`, `%set_env NAME value`, `!export NAME=value`: unquoted values
+_SHELL_BINDING = re.compile(
+    r"(?P<lhs>(?:%env|%set_env|\bexport)\s+(?P<name>[A-Za-z_]\w*)(?:\s*=\s*|\s+))"
+    r"(?P<body>'[^'\n]*'|\"[^\"\n]*\"|[^\s'\"]+)"
 )
 
 
-def redact_source(source: str, pattern: str | None = None) -> str:
-    """Source with string literals assigned to secret names replaced by "<redacted>".
+def _literal_values(m: re.Match[str]) -> list[str]:
+    """The value(s) of the literal matched by `m`: as written, and as Python reads it."""
+    body = m.group("body3") if m.group("q3") else m.group("body1")
+    quote = m.group("q3") or m.group("q1")
+    prefix = m.group("prefix")
+    values = [body]
+    if "f" not in prefix.lower():
+        try:
+            parsed = ast.literal_eval(f"{prefix}{quote}{body}{quote}")
+            text = parsed.decode("utf-8", "replace") if isinstance(parsed, bytes) else parsed
+            if isinstance(text, str) and text != body:
+                values.append(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            pass
+    return values
 
-    Catches the common ways a credential is pasted into a cell (`API_KEY = "sk-..."`,
-    `token: str = '...'`, `{"password": "..."}`, `f(api_key="...")`); a secret computed at
-    run time is handled by the snapshot, not here.
+
+def redact_literals(text: str, pattern: str | None = None, found: list[str] | None = None) -> str:
+    """`text` with string literals bound to secret names replaced by "<redacted>".
+
+    Catches the common ways a credential is pasted into a cell or shown in an output
+    (`API_KEY = "sk-…"`, `token: str = '…'`, `{"password": "…"}`, `f(api_key="…")`,
+    `os.environ["OPENAI_API_KEY"] = "…"`, `os.putenv("TOKEN", "…")`, `%env TOKEN=…`). The
+    values are appended to `found` (as written and as Python reads them).
     """
     regex = compile_pattern(pattern)
+    if not _may_name_secret(text, pattern, regex):
+        return text
 
     def scrub(m: re.Match[str]) -> str:
         if not regex.search(m.group("name")):
             return m.group(0)
-        return f"{m.group('lhs')}{m.group('prefix')}{m.group('quote')}{REDACTED}{m.group('quote')}"
+        quote = m.group("q3") or m.group("q1")
+        if found is not None:
+            found.extend(_literal_values(m))
+        return f"{m.group('lhs')}{m.group('prefix')}{quote}{REDACTED}{quote}"
 
-    return _MAPPING.sub(scrub, _ASSIGNMENT.sub(scrub, source))
+    def scrub_shell(m: re.Match[str]) -> str:
+        if not regex.search(m.group("name")):
+            return m.group(0)
+        body = m.group("body")
+        if found is not None:
+            found.append(body.strip("'\""))
+        return m.group("lhs") + REDACTED
+
+    def bind(region: str) -> str:
+        for binding in _BINDINGS:
+            region = binding.sub(scrub, region)
+        return _SHELL_BINDING.sub(scrub_shell, region)
+
+    if len(text) <= _WHOLE_TEXT:
+        return bind(text)
+    # A long text (an HTML table): only the lines naming a secret, and what a literal opened
+    # there spans, can hold a binding.
+    parts, last = [], 0
+    for start, end in _regions(text, pattern, regex):
+        parts += [text[last:start], bind(text[start:end])]
+        last = end
+    parts.append(text[last:])
+    return "".join(parts)
+
+
+# Texts up to this long are searched whole; longer ones around the names that match only.
+_WHOLE_TEXT = 4096
+_DEFAULT_WORDS = ("key", "token", "secret", "passw", "credential")
+
+
+def _may_name_secret(text: str, pattern: str | None, regex: re.Pattern[str]) -> bool:
+    """False when no secret name can occur in `text` (a fast path for the default pattern)."""
+    if pattern in (None, "", DEFAULT_SECRET_PATTERN):
+        low = text.lower()
+        return any(w in low for w in _DEFAULT_WORDS)
+    return regex.search(text) is not None
+
+
+@lru_cache(maxsize=32)
+def _lowercase_pattern(pattern: str | None) -> re.Pattern[str] | None:
+    """The pattern compiled without IGNORECASE, for lowercased text, when it names no capital
+    letter (the default does not): many times faster than IGNORECASE over a long text."""
+    p = pattern or DEFAULT_SECRET_PATTERN
+    if p != p.lower():
+        return None
+    try:
+        return re.compile(p)
+    except re.error:
+        return None
+
+
+def _name_matches(text: str, pattern: str | None, regex: re.Pattern[str]) -> Iterator[Any]:
+    """Matches of the secret pattern in `text` (their spans index `text`)."""
+    fast = _lowercase_pattern(pattern)
+    if fast is not None:
+        low = text.lower()
+        if len(low) == len(text):  # no character whose lowercase is longer
+            return fast.finditer(low)
+    return regex.finditer(text)
+
+
+def _secret_lines(lines: str, pattern: str | None, regex: re.Pattern[str]) -> set[str]:
+    """The lines of `lines` (names, one a line) that the secret pattern matches."""
+    if not lines or not _may_name_secret(lines, pattern, regex):
+        return set()
+    found = set()
+    for m in _name_matches(lines, pattern, regex):
+        start = lines.rfind("\n", 0, m.start()) + 1
+        end = lines.find("\n", m.end())
+        found.add(lines[start : len(lines) if end < 0 else end])
+    return found
+
+
+def _regions(text: str, pattern: str | None, regex: re.Pattern[str]) -> list[tuple[int, int]]:
+    """Disjoint spans of `text`: each line with a secret-name match and the next one, extended
+    to the close of a triple-quoted literal opened there."""
+    spans: list[tuple[int, int]] = []
+    for m in _name_matches(text, pattern, regex):
+        start = text.rfind("\n", 0, m.start()) + 1
+        end = text.find("\n", m.end())
+        end = len(text) if end < 0 else text.find("\n", end + 1)
+        end = len(text) if end < 0 else end
+        for q in ('"""', "'''"):
+            opened = text.find(q, m.end(), end)
+            if opened >= 0:
+                closed = text.find(q, opened + 3)
+                if closed >= 0:
+                    end = max(end, closed + 3)
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+        else:
+            spans.append((start, end))
+    return spans
+
+
+def redact_tokens(text: str, found: list[str] | None = None) -> str:
+    """`text` with every credential-shaped string (TOKEN_PATTERNS) replaced by "<redacted>"."""
+    spans = _token_spans(text)
+    if not spans:
+        return text
+    spans.sort()
+    parts, last = [], 0
+    for i, j in spans:
+        if i < last:  # overlapping shapes: the first one already covers it
+            continue
+        parts += [text[last:i], REDACTED]
+        if found is not None:
+            found.append(text[i:j])
+        last = j
+    parts.append(text[last:])
+    return "".join(parts)
+
+
+def redact_source(source: str, pattern: str | None = None) -> str:
+    """Source with secret literals (see redact_literals) and credential-shaped strings
+    replaced by "<redacted>". A secret computed at run time is followed by value instead."""
+    return redact_tokens(redact_literals(source, pattern))
 
 
 def redact_text(text: str, secrets: Iterable[str]) -> str:
@@ -93,8 +353,576 @@ def redact_text(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
+def scrub_json(
+    obj: Any,
+    scrub: Callable[[str], str],
+    secret_key: Callable[[str], Any] | None = None,
+    _depth: int = 0,
+) -> Any:
+    """A copy of a JSON-like value with `scrub` applied to every string (keys included), and
+    the string under a key `secret_key` accepts (`{"password": "…"}`) replaced whole."""
+    if isinstance(obj, str):
+        return scrub(obj)
+    if _depth > 100:
+        # Deeper than any real output: checked as its JSON text, dropped whole if it holds one.
+        try:
+            text = json.dumps(obj, default=str)
+        except (ValueError, TypeError, RecursionError):
+            return REDACTED
+        return obj if scrub(text) == text else REDACTED
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            key = scrub(k) if isinstance(k, str) else k
+            if isinstance(v, str) and v and isinstance(k, str) and secret_key and secret_key(k):
+                out[key] = REDACTED
+            else:
+                out[key] = scrub_json(v, scrub, secret_key, _depth + 1)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [scrub_json(v, scrub, secret_key, _depth + 1) for v in obj]
+    return obj
+
+
+# -- the keyed hashes -------------------------------------------------------------------------
+
+KEY_BYTES = 32
+DIGEST_BYTES = 16
+
+
+def key_path(store_path: str | os.PathLike[str]) -> Path:
+    """Where the key of a store's secret digests lives: `<store>.key`, beside it."""
+    p = Path(store_path)
+    return p.with_name(p.name + ".key")
+
+
+def load_key(store_path: str | os.PathLike[str], *, create: bool = True) -> bytes | None:
+    """The store's digest key, created (0600, atomically) when missing and `create`."""
+    path = key_path(store_path)
+    try:
+        data = path.read_bytes()
+        if len(data) == KEY_BYTES:
+            return data
+    except FileNotFoundError:
+        pass
+    if not create:
+        return None
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{_random.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_random.token_bytes(KEY_BYTES))
+        try:
+            # link() never replaces: two processes creating the key at once agree on one.
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    data = path.read_bytes()
+    if len(data) != KEY_BYTES:
+        raise ValueError(f"{path} is not a secrets key ({len(data)} bytes, expected {KEY_BYTES})")
+    return data
+
+
+def secret_digest(key: bytes, value: str) -> str:
+    """The keyed hash recorded for a secret value."""
+    mac = hmac.digest(key, value.encode("utf-8", "surrogatepass"), "sha256")
+    return mac[:DIGEST_BYTES].hex()
+
+
+# A recorded value is looked for where it stands apart: the characters just before and just
+# after it are not letters or digits (or it starts or ends the text).
+_DELIMITER = re.compile(r"[^A-Za-z0-9]")
+_RUN = re.compile(r"\S+")
+
+
+class DigestMatcher:
+    """Finds, in a text, the secret values whose keyed hashes are recorded (see the module's
+    docstring): candidates are the substrings of a recorded length with no letter or digit
+    just before or just after them (and no whitespace, unless a recorded value holds some)."""
+
+    def __init__(self, key: bytes, digests: Iterable[tuple[str, int, bool]]) -> None:
+        self.key = key
+        self.digests: set[str] = set()
+        compact: set[int] = set()
+        spaced: set[int] = set()
+        for digest, length, has_space in digests:
+            if length < MIN_SECRET_VALUE_LEN:
+                continue
+            self.digests.add(digest)
+            (spaced if has_space else compact).add(length)
+        # length -> whether a value of that length may hold whitespace
+        self.lengths = {n: n in spaced for n in sorted(compact | spaced)}
+        self._shortest = min(self.lengths, default=0)
+        # hash() of windows known not to be secret: an int each, however long the window.
+        self._clean: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.digests)
+
+    def _is_secret(self, window: str) -> bool:
+        h = hash(window)
+        if h in self._clean:
+            return False
+        if secret_digest(self.key, window) in self.digests:
+            return True
+        if len(self._clean) > 200_000:
+            self._clean.clear()
+        self._clean.add(h)
+        return False
+
+    def find(self, text: str) -> set[str]:
+        """The recorded secret values that occur in `text`."""
+        if not self.digests or len(text) < self._shortest:
+            return set()
+        windows: set[str] = set()
+        compact = [n for n, spaced in self.lengths.items() if not spaced]
+        if compact:
+            # A value without whitespace lies within one run of non-space characters.
+            for run in _RUN.finditer(text):
+                start, end = run.span()
+                if end - start >= compact[0]:
+                    self._windows(text, start, end, compact, windows)
+        spaced = [n for n, spaced in self.lengths.items() if spaced]
+        if spaced:
+            self._windows(text, 0, len(text), spaced, windows)
+        return {w for w in windows if w.strip() == w and self._is_secret(w)}
+
+    @staticmethod
+    def _windows(text: str, start: int, end: int, lengths: list[int], out: set[str]) -> None:
+        """The substrings of text[start:end] of the given lengths with no letter or digit
+        just before or just after them: between two such edges, n + 1 apart."""
+        edges = [start - 1, *(m.start() for m in _DELIMITER.finditer(text, start, end)), end]
+        edge_set = set(edges)
+        for n in lengths:
+            if n > end - start:
+                break
+            for before in edge_set.intersection([e - n - 1 for e in edges]):
+                out.add(text[before + 1 : before + 1 + n])
+
+    def scrub(self, text: str) -> str:
+        for value in sorted(self.find(text), key=len, reverse=True):
+            text = text.replace(value, REDACTED)
+        return text
+
+
+def _escaped_forms(value: str) -> list[str]:
+    """The value as it reads inside a repr or a JSON string (quotes, backslashes, newlines)."""
+    forms = [value]
+    for escaped in (repr(value)[1:-1], json.dumps(value)[1:-1]):
+        if escaped not in forms:
+            forms.append(escaped)
+    return forms
+
+
+def _has_space(value: str) -> bool:
+    return any(c.isspace() for c in value)
+
+
+def pickle_strings(data: bytes, *, max_ops: int = 2_000_000) -> Iterator[str]:
+    """The strings a pickle holds, read without unpickling (pickletools); for a pickle that
+    does not parse (or is too long to walk), its runs of printable text instead."""
+    try:
+        strings = []
+        for n, (_op, arg, _pos) in enumerate(pickletools.genops(data)):
+            if n > max_ops:
+                raise ValueError("too many opcodes")
+            if isinstance(arg, str):
+                strings.append(arg)
+            elif isinstance(arg, (bytes, bytearray)) and len(arg) >= MIN_SECRET_VALUE_LEN:
+                strings.append(bytes(arg).decode("utf-8", "replace"))
+        yield from strings
+    except Exception:
+        for m in re.finditer(rb"[^\x00-\x08\x0e-\x1f\x7f]{%d,}" % MIN_SECRET_VALUE_LEN, data):
+            run = m.group().decode("utf-8", "replace")
+            yield run
+            # A length byte may precede a pickled string: also read the run without it.
+            yield run[1:]
+
+
+# -- what the kernel knows ---------------------------------------------------------------------
+
+
+class KernelSecrets:
+    """The secret values a kernel has learnt, in its memory only, and how it scrubs with them.
+
+    The recorder calls `observe` after each cell (namespace, environment, source), scrubs the
+    execution's source and outputs with `scrub` / `scrub_output` / `scrub_json`, asks
+    `stub_reason` for each snapshot value, and calls `persist` once the execution is written:
+    new values go to the store as keyed hashes, and the trajectory's earlier rows are scrubbed
+    of them (an earlier output that printed a value only later known secret).
+    """
+
+    def __init__(self, pattern: str | None = None) -> None:
+        self.pattern = pattern
+        self.values: set[str] = set()
+        self._forms: list[str] = []  # every value and its escaped forms, longest first
+        self._new: list[str] = []
+        self._encoded: list[bytes] = []
+        #: incremented whenever a value is learnt: a snapshot taken with an older generation
+        #: may hold a value now secret
+        self.generation = 0
+        self.matcher: DigestMatcher | None = None
+        self._digest_count = -1
+        self._environ: dict[Any, Any] = {}
+        #: how many bytes of each output are scanned (the recorder cuts the rest)
+        self.output_limit: int | None = None
+        # hash() of the texts scrub_output returned since the last scrub_json, and the
+        # generation then: scrub_json does not scan them again unless a value was learnt since.
+        self._scrubbed: set[int] = set()
+        self._scrubbed_at = 0
+
+    # learning ------------------------------------------------------------------------------
+
+    def learn(self, value: Any) -> bool:
+        """Take `value` (a str or bytes) as secret; True if it was not known."""
+        if isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8", "replace")
+        if not isinstance(value, str):
+            return False
+        if value.strip() != value:
+            # A key read from a file ends with a newline that its printed form lacks.
+            self.learn(value.strip())
+        if not MIN_SECRET_VALUE_LEN <= len(value) <= MAX_SECRET_VALUE_LEN:
+            return False
+        if value in self.values or value == REDACTED:
+            return False
+        self.values.add(value)
+        self._new.append(value)
+        forms = set(self._forms)
+        for form in _escaped_forms(value):
+            forms.add(form)
+        self._forms = sorted(forms, key=len, reverse=True)
+        encoded = set(self._encoded)
+        for form in self._forms:
+            encoded.add(form.encode("utf-8", "surrogatepass"))
+            encoded.add(form.encode("utf-32-le", "surrogatepass"))  # numpy's str arrays
+        self._encoded = sorted(encoded, key=len, reverse=True)
+        self.generation += 1
+        return True
+
+    def learn_all(self, values: Iterable[Any]) -> None:
+        for v in values:
+            self.learn(v)
+
+    def observe(self, namespace: Mapping[str, Any], source: str = "") -> None:
+        """Learn the values bound to secret names in the namespace, the environment and the
+        source (literals and credential-shaped strings)."""
+        regex = compile_pattern(self.pattern)
+        names = [n for n in namespace if isinstance(n, str) and not n.startswith("_")]
+        for name in _secret_lines("\n".join(names), self.pattern, regex):
+            value = namespace.get(name)
+            if isinstance(value, (str, bytes)):
+                self.learn(value)
+        budget = _MAX_DICT_ENTRIES
+        for name in names:
+            value = namespace.get(name)
+            if type(value) is dict and budget > 0:
+                budget -= self._observe_dict(value, regex, budget, depth=0)
+        # os.environ's own dict (bytes or str by platform) compares in C: most cells change none.
+        data = getattr(os.environ, "_data", None)
+        if data is None or data != self._environ:
+            self._environ = dict(data) if data is not None else {}
+            for name in _secret_lines("\n".join(os.environ), self.pattern, regex):
+                self.learn(os.environ.get(name))
+        found: list[str] = []
+        redact_tokens(redact_literals(source, self.pattern, found), found)
+        self.learn_all(found)
+
+    def _observe_dict(
+        self, d: dict[Any, Any], regex: re.Pattern[str], budget: int, depth: int
+    ) -> int:
+        """Learn str values under secret-named keys; returns the entries looked at."""
+        # One search over all the keys (joined in C): most dicts name no secret, cost no more.
+        try:
+            names = "\n".join(islice(d, budget))
+        except TypeError:  # not all keys are strings
+            names = "\n".join([k for k in islice(d, budget) if isinstance(k, str)])
+        if names and _may_name_secret(names, self.pattern, regex):
+            for key, item in islice(d.items(), budget):
+                if isinstance(key, str) and isinstance(item, (str, bytes)) and regex.search(key):
+                    self.learn(item)
+        seen = min(len(d), budget)
+        if depth < 2 and dict in set(map(type, islice(d.values(), budget))):
+            for item in islice(d.values(), budget):
+                if type(item) is dict and seen < budget:
+                    seen += self._observe_dict(item, regex, budget - seen, depth + 1)
+        return seen
+
+    # scrubbing ------------------------------------------------------------------------------
+
+    def scrub(self, text: str, *, literals: bool = False) -> str:
+        """`text` without known secret values, credential-shaped strings (learnt on the way)
+        and, with `literals`, literals bound to secret names (see redact_literals)."""
+        if not text:
+            return text
+        found: list[str] = []
+        if literals:
+            text = redact_literals(text, self.pattern, found)
+        text = redact_tokens(text, found)
+        if found:
+            self.learn_all(found)
+        for form in self._forms:
+            if form in text:
+                text = text.replace(form, REDACTED)
+        if self.matcher:
+            text = self.matcher.scrub(text)
+        return text
+
+    def scrub_output(self, text: str) -> str:
+        """An output's text: like `scrub` with literals (a displayed `{'password': …}`), over
+        the part the recorder keeps (the rest is cut after this)."""
+        if not self._scrubbed:
+            self._scrubbed_at = self.generation
+        limit = self.output_limit
+        if limit is not None and len(text) > limit + _SCAN_MARGIN:
+            bound = limit + _SCAN_MARGIN
+            return self.scrub(text[:bound], literals=True) + text[bound:]
+        out = self.scrub(text, literals=True)
+        self._scrubbed.add(hash(out))
+        return out
+
+    def scrub_json(self, obj: Any) -> Any:
+        """Recorded outputs (or any JSON-like value) with every string scrubbed, and strings
+        under secret-named keys replaced (not learnt: a plot's spec names many keys)."""
+        regex = compile_pattern(self.pattern)
+        done = self._scrubbed if self.generation == self._scrubbed_at else set()
+        self._scrubbed = set()
+        scrub = self.scrub if self._forms or self.matcher else redact_tokens
+        return scrub_json(obj, lambda t: t if hash(t) in done else scrub(t), regex.search)
+
+    # snapshot values ------------------------------------------------------------------------
+
+    def text_holds_secret(self, text: str) -> bool:
+        return any(form in text for form in self._forms) or bool(
+            _token_spans(text) or (self.matcher and self.matcher.find(text))
+        )
+
+    def bytes_hold_secret(self, data: bytes) -> bool:
+        if any(e in data for e in self._encoded) or _bytes_hold_token(data):
+            return True
+        if self.matcher:
+            return any(self.matcher.find(s) for s in pickle_strings(data))
+        return False
+
+    def stub_reason(
+        self,
+        value: Any = None,
+        *,
+        data: bytes | None = None,
+        summary: Mapping[str, Any] | None = None,
+    ) -> str | None:
+        """SECRET_VALUE_REASON if a variable's value, its serialized bytes or its summary hold
+        a secret value, else None."""
+        if isinstance(value, (str, bytes, bytearray)):
+            text = bytes(value).decode("utf-8", "replace") if not isinstance(value, str) else value
+            if self.text_holds_secret(text):
+                return SECRET_VALUE_REASON
+        if data is not None and self.bytes_hold_secret(data):
+            return SECRET_VALUE_REASON
+        if summary:
+            try:
+                text = json.dumps(summary, default=str, ensure_ascii=False)
+            except (TypeError, ValueError, RecursionError):
+                text = ""
+            if text and self.text_holds_secret(text):
+                return SECRET_VALUE_REASON
+        return None
+
+    # the store ------------------------------------------------------------------------------
+
+    def load_digests(self, store: Any) -> None:
+        """Follow the values other kernels recorded (by keyed hash) too."""
+        try:
+            count = store.secret_digest_count()
+            if count == self._digest_count:
+                return
+            key = load_key(store.path)
+            if key is not None:
+                self.matcher = DigestMatcher(key, store.secret_digests())
+            self._digest_count = count
+        except Exception:
+            self.matcher = None
+
+    def persist(self, store: Any, trajectory_id: str | None) -> int:
+        """Record the newly learnt values (as keyed hashes) and scrub the trajectory's earlier
+        executions and snapshots of them; returns how many values were new."""
+        new, self._new = self._new, []
+        if not new:
+            return 0
+        key = load_key(store.path)
+        assert key is not None
+        rows = []
+        for value in new:
+            for form in _escaped_forms(value):
+                rows.append((secret_digest(key, form), len(form), _has_space(form)))
+        store.add_secret_digests(rows)
+        if trajectory_id is not None:
+            self.rescrub(store, trajectory_id)
+        return len(new)
+
+    def rescrub(self, store: Any, trajectory_id: str) -> None:
+        """Scrub the trajectory's stored rows with what is known now (SQLite's secure_delete
+        zeroes the replaced bytes; a WAL checkpoint drops the old pages)."""
+        checked: dict[str, bool] = {}
+        dropped: set[str] = set()
+        with store.secure_rewrite() as rewrite:
+            for e in store.list_executions(trajectory_id):
+                source = self.scrub(e["source"])
+                outputs = self.scrub_json(e["outputs"])
+                if source != e["source"] or outputs != e["outputs"]:
+                    rewrite.execution(e["id"], source=source, outputs=outputs)
+                if e.get("snapshot_id") is None:
+                    continue
+                for v in store.get_variables(e["id"]):
+                    if str(v.get("stub_reason") or "").startswith("redacted"):
+                        continue
+                    digest = v.get("blob_hash")
+                    holds = self.stub_reason(summary=v.get("summary")) is not None
+                    if not holds and digest:
+                        if digest not in checked:
+                            try:
+                                checked[digest] = self.bytes_hold_secret(store.get_blob(digest))
+                            except KeyError:
+                                checked[digest] = False
+                        holds = checked[digest]
+                    if holds:
+                        rewrite.variable(v["snapshot_id"], v["name"], SECRET_VALUE_REASON)
+                        if digest:
+                            dropped.add(digest)
+            rewrite.drop_blobs(dropped)
+
+
+# -- what the server and the exports know ------------------------------------------------------
+
+
+class StoreRedactor:
+    """Scrubs what leaves a store (API answers, exports, prediction contexts) with the
+    secrets policy: literals bound to secret names, credential-shaped strings, and the values
+    the kernels recorded as keyed hashes."""
+
+    def __init__(self, store: Any, pattern: str | None = None) -> None:
+        self.store = store
+        self.pattern = pattern
+        self.matcher: DigestMatcher | None = None
+        self._count = -1
+        self._cache: dict[str, str] = {}
+        # Whether a summary holds a secret, by what identifies its value (blob, fingerprint):
+        # an unchanged variable recurs in every snapshot of a trajectory.
+        self._verdicts: dict[tuple[Any, ...], bool] = {}
+
+    def refresh(self) -> None:
+        """Pick up hashes recorded since the last call (cheap when there are none)."""
+        try:
+            count = self.store.secret_digest_count()
+        except Exception:
+            return
+        if count == self._count:
+            return
+        key = load_key(self.store.path, create=False) if count else None
+        self.matcher = DigestMatcher(key, self.store.secret_digests()) if key else None
+        self._count = count
+        self._cache.clear()
+        self._verdicts.clear()
+
+    def scrub_text(self, text: str) -> str:
+        if not text:
+            return text
+        cached = self._cache.get(text)
+        if cached is not None:
+            return cached
+        out = redact_tokens(redact_literals(text, self.pattern))
+        if self.matcher:
+            out = self.matcher.scrub(out)
+        if len(text) <= 4096:  # short texts recur (sources, small outputs): at most ~16 MB
+            if len(self._cache) >= 4096:
+                self._cache.clear()
+            self._cache[text] = out
+        return out
+
+    def scrub_json(self, obj: Any) -> Any:
+        return scrub_json(obj, self.scrub_text, compile_pattern(self.pattern).search)
+
+    def scrub_execution(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """An execution row (store shape) with its source and outputs scrubbed."""
+        out = dict(row)
+        if isinstance(out.get("source"), str):
+            out["source"] = self.scrub_text(out["source"])
+        if "outputs" in out:
+            out["outputs"] = self.scrub_json(out["outputs"])
+        return out
+
+    def scrub_variable(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """A variable record: a stub if its name is secret or its summary holds a secret."""
+        out = redact_variable(record, self.pattern)
+        summary = out.get("summary")
+        if summary and not summary.get("redacted"):
+            ident = (out.get("type"), out.get("blob_hash"), out.get("fingerprint"))
+            holds = self._verdicts.get(ident) if ident[1] or ident[2] else None
+            if holds is None:
+                holds = self.scrub_json(summary) != summary
+                if ident[1] or ident[2]:
+                    if len(self._verdicts) > 100_000:
+                        self._verdicts.clear()
+                    self._verdicts[ident] = holds
+            if holds:
+                return stub_variable(out, SECRET_VALUE_REASON)
+        return out
+
+    def blob_holds_secret(self, data: bytes) -> bool:
+        """True when a serialized value holds a credential-shaped string or a recorded value."""
+        if _bytes_hold_token(data):
+            return True
+        if self.matcher:
+            return any(self.matcher.find(s) for s in pickle_strings(data))
+        return False
+
+    def scrub_context(self, ctx: Any) -> Any:
+        """A prediction context (jupyter_themisto.context.PredictionContext) safe to hand to any
+        backend: every text in it scrubbed — cells and their outputs, the target cell, and any
+        text field a later version adds — and a variable whose summary holds a secret reduced
+        to its name and type."""
+        self.refresh()
+        return self._scrub_dataclass(ctx)
+
+    def _scrub_dataclass(self, obj: Any) -> Any:
+        names = {f.name for f in fields(obj)}
+        if {"name", "type", "summary"} <= names:  # a variable as the runtime summary shows it
+            record = self.scrub_variable(
+                {"name": obj.name, "type": obj.type, "summary": obj.summary}
+            )
+            return replace(obj, summary=record["summary"])
+        changes = {name: self._scrub_value(getattr(obj, name)) for name in names}
+        return replace(obj, **changes)
+
+    def _scrub_value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.scrub_text(value)
+        if is_dataclass(value) and not isinstance(value, type):
+            return self._scrub_dataclass(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._scrub_value(v) for v in value)
+        if isinstance(value, dict):
+            return self.scrub_json(value)
+        return value
+
+    def scrub_export_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """An export row (an execution with `source`, `outputs`, `output_text`, `variables`)."""
+        out = self.scrub_execution(row)
+        if isinstance(out.get("output_text"), str):
+            out["output_text"] = self.scrub_text(out["output_text"])
+        variables = out.get("variables")
+        if isinstance(variables, list):
+            out["variables"] = [
+                self.scrub_variable(v) if isinstance(v, Mapping) else v for v in variables
+            ]
+        return out
+
+
 def redact_export_row(row: Mapping[str, Any], pattern: str | None = None) -> dict[str, Any]:
-    """An export row (an execution with optional `source` and `variables`) made safe to share."""
+    """An export row (an execution with optional `source` and `variables`) made safe to share,
+    by name and shape only (StoreRedactor.scrub_export_row also follows recorded values)."""
     out = dict(row)
     if isinstance(out.get("source"), str):
         out["source"] = redact_source(out["source"], pattern)
@@ -109,3 +937,29 @@ def redact_export_row(row: Mapping[str, Any], pattern: str | None = None) -> dic
             for k, v in variables.items()
         }
     return out
+
+
+__all__ = [
+    "DEFAULT_SECRET_PATTERN",
+    "REDACTED",
+    "REDACTED_REASON",
+    "SECRET_VALUE_REASON",
+    "TOKEN_PATTERNS",
+    "DigestMatcher",
+    "KernelSecrets",
+    "StoreRedactor",
+    "compile_pattern",
+    "is_secret_name",
+    "key_path",
+    "load_key",
+    "pickle_strings",
+    "redact_export_row",
+    "redact_literals",
+    "redact_source",
+    "redact_text",
+    "redact_tokens",
+    "redact_variable",
+    "scrub_json",
+    "secret_digest",
+    "stub_variable",
+]

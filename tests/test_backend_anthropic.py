@@ -101,3 +101,25 @@ async def test_error_event_mid_stream(peer):
             got.append(c.text)
     assert "".join(got) == "a = 1\nb "  # what streamed before the error passed on
     await b.aclose()
+
+
+# An endless fault stops there: a regression fails the test instead of filling the machine.
+LIMIT = 256 << 20
+
+
+@pytest.mark.parametrize(
+    "fault, setting",
+    [
+        (Fault.endless_line(LIMIT), "max_line_bytes"),
+        (Fault.huge_event(LIMIT), "max_event_bytes"),
+        (Fault.endless_events(LIMIT), "max_response_bytes"),
+    ],
+)
+async def test_oversized_answers_stop_reading_with_a_clear_error(peer, fault, setting):
+    b = backend(peer, max_retries=0, max_response_bytes=2 * 1024 * 1024)
+    peer.fail(fault)
+    with pytest.raises(BackendError, match=setting) as info:
+        await next_text(b)
+    assert "stopped reading" in str(info.value) and KEY not in str(info.value)
+    assert await next_text(b) == "s.upper()\n"
+    await b.aclose()

@@ -214,3 +214,59 @@ async def test_error_chunk_mid_stream(peer):
             got.append(c.text)
     assert "".join(got) == "a = 1\nb "  # what streamed before the error passed on
     await b.aclose()
+
+
+async def wait_sent(peer, n: int) -> list[int]:
+    """The bytes the peer wrote for its first `n` endless answers, once it saw them end."""
+    for _ in range(200):
+        if len(peer.sent_bytes) >= n:
+            break
+        await asyncio.sleep(0.05)
+    return peer.sent_bytes
+
+
+# An endless fault stops there: a regression fails the test instead of filling the machine.
+LIMIT = 256 << 20
+
+
+@pytest.mark.parametrize(
+    "fault, setting",
+    [
+        (Fault.endless_line(LIMIT), "max_line_bytes"),
+        (Fault.huge_event(LIMIT), "max_event_bytes"),
+        (Fault.endless_events(LIMIT), "max_response_bytes"),
+        (Fault.gzip_line(LIMIT >> 10), "max_line_bytes"),
+    ],
+)
+async def test_oversized_answers_stop_reading_with_a_clear_error(peer, fault, setting):
+    limits = {"max_line_bytes": 64 * 1024, "max_event_bytes": 256 * 1024}
+    limits["max_response_bytes"] = 1024 * 1024
+    b = backend(peer, max_retries=0, **limits)
+    peer.fail(fault)
+    with pytest.raises(BackendError, match=setting) as info:
+        await collect_next(b)
+    assert info.value.status == 502 and "stopped reading" in str(info.value)
+    assert peer.requests[-1].headers["Accept-Encoding"] == "identity"
+    # The connection was dropped: the server stopped writing soon after the bound (what is
+    # still in flight is the sockets' buffers), and the backend works again at once.
+    (sent,) = await wait_sent(peer, 1)
+    assert sent < 64 * 1024 * 1024
+    peer.reply = "x.max()"
+    assert await collect_next(b) == {0: "x.max()"}
+    await b.aclose()
+
+
+def test_stream_bounds_must_be_positive():
+    with pytest.raises(ValueError, match="max_line_bytes"):
+        OpenAIPredictor({"max_line_bytes": 0})
+
+
+async def test_line_endings_split_across_reads():
+    from jupyter_themisto.backends._http import bounded_lines, iter_sse
+
+    async def chunks():
+        for part in (b"event: a\r", b"\ndata: 1\r\n", b"\r", b"data: 2\rdata", b": 3\n\n"):
+            yield part
+
+    lines = bounded_lines(chunks(), max_line=100, max_total=1000, who="t")
+    assert [e async for e in iter_sse(lines)] == [("a", "1"), (None, "2\n3")]

@@ -306,6 +306,46 @@ def test_export_parquet_shards_and_hf_datasets(recorded, dump, tmp_path):
     assert results[0] == results[1] and len(results[0]) > 5
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_files_and_folders_follow_the_umask(recorded, tmp_path, umask):
+    """Every file and folder of a dump gets what the umask gives, as any file one creates:
+    dump.json and schema.json used to be 0600 and the folder 0700 (mkstemp/mkdtemp modes)."""
+    for fmt in ("jsonl", "parquet"):
+        out = tmp_path / f"dump-{fmt}"
+        r = cli(
+            "export",
+            "--out",
+            str(out),
+            "--format",
+            fmt,
+            "--snapshots",
+            "full",
+            store=recorded["store"],
+            preexec_fn=lambda: os.umask(umask),
+        )
+        assert r.returncode == 0, r.stderr
+        entries = [out, *out.rglob("*")]
+        assert {"dump.json", "schema.json", "README.md", "blobs"} <= {p.name for p in entries}
+        for p in entries:
+            mode = p.stat().st_mode & 0o777
+            want = (0o777 if p.is_dir() else 0o666) & ~umask
+            assert mode == want, f"{p.relative_to(tmp_path)}: {oct(mode)} != {oct(want)}"
+        # --force replaces a dump the same way.
+        r = cli(
+            "export",
+            "--out",
+            str(out),
+            "--format",
+            fmt,
+            "--force",
+            store=recorded["store"],
+            preexec_fn=lambda: os.umask(umask),
+        )
+        assert r.returncode == 0, r.stderr
+        assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+        assert (out / "dump.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_evaluate_retrieval_and_baselines(dump, tmp_path):
     out = tmp_path / "eval"
     for extra in ("--with-runtime", "--without-runtime"):

@@ -1,17 +1,38 @@
-"""The secrets policy (jupyter_themisto.redaction): names, records, sources, export rows."""
+"""The secrets policy (jupyter_themisto.redaction): names, literals, credential shapes, values
+followed in the kernel, keyed hashes in the store, what the server and exports scrub."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import pickle
+import stat
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jupyter_themisto.redaction import (
+    MIN_SECRET_VALUE_LEN,
     REDACTED,
+    SECRET_VALUE_REASON,
+    DigestMatcher,
+    KernelSecrets,
+    StoreRedactor,
     is_secret_name,
+    key_path,
+    load_key,
+    pickle_strings,
     redact_export_row,
+    redact_literals,
     redact_source,
     redact_text,
+    redact_tokens,
     redact_variable,
+    secret_digest,
 )
+from jupyter_themisto.store import TrajectoryStore
 
 
 @pytest.mark.parametrize(
@@ -78,3 +99,354 @@ def test_redact_text_and_export_row():
     assert "xyz-very-secret" not in out["source"]
     assert out["variables"][0]["summary"] == {"redacted": True}
     assert row["source"] == 'secret = "xyz-very-secret"'  # the input is not mutated
+
+
+# -- literals bound to secret names, credential shapes ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code, value",
+    [
+        ('os.environ["OPENAI_API_KEY"] = "envval-123456"', "envval-123456"),
+        ("os.environ['DB_PASSWORD']='envval-234567'", "envval-234567"),
+        ('os.putenv("GITHUB_TOKEN", "envval-345678")', "envval-345678"),
+        ('os.environ.setdefault("API_TOKEN", "envval-456789")', "envval-456789"),
+        ('os.environ.update({"MY_SECRET": "envval-567890"})', "envval-567890"),
+        ('os.environ.update(SERVICE_KEY="envval-678901")', "envval-678901"),
+        ("%env HF_TOKEN=envval-789012", "envval-789012"),
+        ("!export AWS_SECRET_ACCESS_KEY='envval-890123'", "envval-890123"),
+        ('if (api_key := "envval-901234"):\n    pass', "envval-901234"),
+        ("pw = {'password': 'envval-012345', 'user': 'ann'}", "envval-012345"),
+        (
+            'conf = """\napi_key = "inner-123456"\n"""\ntoken = """multi\nline-secret"""',
+            "line-secret",
+        ),
+    ],
+)
+def test_redact_literals_bound_to_secret_names(code, value):
+    found: list[str] = []
+    out = redact_literals(code, found=found)
+    assert value not in out and REDACTED in out
+    assert any(value in f for f in found)
+
+
+def test_redact_literals_keeps_comparisons_and_other_names():
+    code = 'if token == "abcdef-123456":\n    name = "keep-this-value"\nprint("a", "b")'
+    assert redact_literals(code) == code
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "sk-proj-AbCdEf0123456789AbCdEf0123456789",
+        "sk-ant-api03-AbCdEf0123456789AbCdEf0123456789",
+        "ghp_" + "a1B2" * 9,
+        "github_pat_" + "A1b2_" * 8,
+        "AKIA" + "ABCDEFGHIJ234567",
+        "xoxb-123456789012-abcdefABCDEF",
+        "AIza" + "B" * 35,
+        "hf_" + "x1Y2" * 9,
+        "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+        "-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA\nabc\n-----END RSA PRIVATE KEY-----",
+    ],
+)
+def test_credential_shapes_anywhere(token):
+    for text in (f"x = {token!r}", f"print({token!r})\n{token}", repr({"v": token})):
+        found: list[str] = []
+        out = redact_tokens(text, found)
+        assert token not in out and REDACTED in out
+        assert found
+
+
+def test_credential_shapes_leave_ordinary_text():
+    text = "task-management risk-adjusted ask-me-anything-please AKIAxyz sk-short"
+    assert redact_tokens(text) == text
+
+
+# -- values the kernel knows --------------------------------------------------------------------
+
+
+SECRET = "hunter2-planted-value-0001"
+
+
+def test_kernel_secrets_follow_values(monkeypatch):
+    monkeypatch.setenv("PLANTED_SERVICE_TOKEN", "env-planted-value-0002")
+    ks = KernelSecrets()
+    ns = {
+        "api_key": SECRET,
+        "x": SECRET,
+        "conf": {"db": {"password": "nested-planted-0003"}, "user": "ann-the-user"},
+        "word": "ordinary",
+        "_private_token": "never-looked-at-0004",
+    }
+    ks.observe(ns, source='client = connect(auth_token="literal-planted-0005")')
+    for known in (SECRET, "env-planted-value-0002", "nested-planted-0003", "literal-planted-0005"):
+        assert known in ks.values
+    assert "ann-the-user" not in ks.values and "ordinary" not in ks.values
+    assert "never-looked-at-0004" not in ks.values
+    # Scrubbed wherever they appear, escaped forms included.
+    text = f"{SECRET} {SECRET!r} {json.dumps({'v': 'nested-planted-0003'})}"
+    assert ks.scrub(text).count(REDACTED) == 3
+    # A displayed dict's secret is learnt from the output itself.
+    shown = ks.scrub_output("{'password': 'shown-planted-0006', 'n': 1}")
+    assert "shown-planted-0006" not in shown and "shown-planted-0006" in ks.values
+    # Values holding a secret: strings, serialized bytes (utf-8 and numpy's utf-32), summaries.
+    assert ks.stub_reason(SECRET) == SECRET_VALUE_REASON
+    assert ks.stub_reason(f"prefix {SECRET} suffix") == SECRET_VALUE_REASON
+    assert ks.stub_reason(data=pickle.dumps([1, {"k": SECRET}])) == SECRET_VALUE_REASON
+    assert ks.stub_reason(data=SECRET.encode("utf-32-le")) == SECRET_VALUE_REASON
+    assert ks.stub_reason(summary={"repr": f"[{SECRET!r}]"}) == SECRET_VALUE_REASON
+    assert ks.stub_reason("plain", data=pickle.dumps([1, 2]), summary={"repr": "[1, 2]"}) is None
+    # Credential shapes make a stub with nothing learnt before.
+    assert KernelSecrets().stub_reason("sk-proj-AbCdEf0123456789AbCdEf01") == SECRET_VALUE_REASON
+
+
+def test_kernel_secrets_generation_counts_new_values_only():
+    ks = KernelSecrets()
+    assert ks.learn(SECRET) and ks.generation > 0
+    g = ks.generation
+    assert not ks.learn(SECRET) and not ks.learn("short") and not ks.learn(42)
+    assert ks.generation == g
+    assert ks.learn(SECRET + "\n") is True  # the newline form is new; the stripped one is not
+    assert SECRET in ks.values
+
+
+# -- the keyed hashes ---------------------------------------------------------------------------
+
+
+def test_key_file_is_private_and_shared(tmp_path):
+    store = tmp_path / "t.sqlite"
+    assert load_key(store, create=False) is None
+    key = load_key(store)
+    assert len(key) == 32 and load_key(store) == key
+    assert stat.S_IMODE(key_path(store).stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["t.sqlite.key"]  # no temporary left
+
+    # Processes creating it at once agree on one key.
+    other = tmp_path / "u.sqlite"
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        keys = pool.map(load_key, [other] * 8)
+    assert len(set(keys)) == 1
+
+
+def test_digest_matcher_finds_values_at_word_starts_only():
+    key = b"k" * 32
+    values = [SECRET, "pass phrase with spaces"]
+    m = DigestMatcher(key, [(secret_digest(key, v), len(v), " " in v) for v in values])
+    text = f'x = "{SECRET}"; y = {SECRET}; say("pass phrase with spaces")'
+    assert m.find(text) == set(values)
+    assert SECRET not in m.scrub(text) and "pass phrase" not in m.scrub(text)
+    assert m.find("no secret here, hunter2-planted-value-0002") == set()
+    # Another key finds nothing: the hashes alone confirm no guess.
+    assert DigestMatcher(b"o" * 32, m_rows(key, values)).find(text) == set()
+
+
+def m_rows(key, values):
+    return [(secret_digest(key, v), len(v), " " in v) for v in values]
+
+
+def test_pickle_strings_reads_without_unpickling():
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo should-never-run",))
+
+    data = pickle.dumps({"a": [SECRET, b"bytes-value-123"], "boom": Boom()})
+    strings = list(pickle_strings(data))
+    assert SECRET in strings and "bytes-value-123" in strings
+    assert any(SECRET in s for s in pickle_strings(b"\x00garbage\x8c" + SECRET.encode()))
+
+
+# -- persistence through a store, and what the server and exports see ---------------------------
+
+
+def test_values_persist_as_keyed_hashes_and_the_server_follows_them(tmp_path):
+    path = tmp_path / "store" / "t.sqlite"
+    store = TrajectoryStore(path)
+    tid = store.create_trajectory()
+    ks = KernelSecrets()
+    ks.observe({"api_key": SECRET}, "")
+    eid = store.add_execution(tid, {"source": ks.scrub(f"api_key = {SECRET!r}"), "status": "ok"})
+    assert ks.persist(store, tid) == 1 and ks.persist(store, tid) == 0
+    assert store.secret_digest_count() >= 1
+    store.close()
+    for f in path.parent.iterdir():
+        if f.name != "t.sqlite.key":
+            assert SECRET.encode() not in f.read_bytes(), f.name
+
+    server = StoreRedactor(TrajectoryStore(path, readonly=True))
+    server.refresh()
+    # Text from elsewhere (the browser's cells, a request's source) is scrubbed by hash.
+    assert server.scrub_text(f"v = '{SECRET}'") == f"v = '{REDACTED}'"
+    assert server.blob_holds_secret(pickle.dumps({"x": [SECRET]}))
+    assert not server.blob_holds_secret(pickle.dumps({"x": ["harmless-value"]}))
+    v = server.scrub_variable({"name": "x", "type": "list", "summary": {"repr": f"[{SECRET!r}]"}})
+    assert v["summary"] == {"redacted": True} and v["stub_reason"] == SECRET_VALUE_REASON
+    assert server.scrub_execution(store_row(path, eid))["source"] == f"api_key = {REDACTED!r}"
+
+    # Without the key the hashes are useless, and the server says nothing secret either way.
+    key_path(path).unlink()
+    blind = StoreRedactor(TrajectoryStore(path, readonly=True))
+    blind.refresh()
+    assert blind.scrub_text(f"v = '{SECRET}'") == f"v = '{SECRET}'"
+
+    # A second kernel session follows the first one's values by hash.
+    load_key(path)  # a new key: the old hashes no longer match anything
+    store = TrajectoryStore(path)
+    ks1 = KernelSecrets()
+    ks1.observe({"token": "second-planted-0007"}, "")
+    ks1.persist(store, None)
+    ks2 = KernelSecrets()
+    ks2.load_digests(store)
+    assert ks2.scrub("y = 'second-planted-0007'") == f"y = '{REDACTED}'"
+    assert ks2.stub_reason("second-planted-0007") == SECRET_VALUE_REASON
+
+
+def store_row(path, eid):
+    with TrajectoryStore(path, readonly=True) as s:
+        return s.get_execution(eid)
+
+
+def test_a_value_learnt_late_is_scrubbed_from_earlier_rows_and_the_file(tmp_path):
+    path = tmp_path / "t.sqlite"
+    store = TrajectoryStore(path)
+    tid = store.create_trajectory()
+    late = "late-planted-value-0008"
+    ks = KernelSecrets()
+    # Cell 1 prints a value nobody knows is secret yet, and snapshots it.
+    out = [{"output_type": "stream", "name": "stdout", "text": f"{late}\n"}]
+    e1 = store.add_execution(tid, {"source": "print(val)", "status": "ok", "outputs": out})
+    blob = store.put_blob(pickle.dumps(late))
+    store.write_snapshot(
+        e1, [{"name": "val", "type": "str", "summary": {"repr": repr(late)}, "blob_hash": blob}]
+    )
+    assert late.encode() in b"".join(f.read_bytes() for f in tmp_path.iterdir())
+    # Cell 2 binds it to a secret name.
+    ks.observe({"val": late, "secret_later": late}, "secret_later = val")
+    store.add_execution(tid, {"source": "secret_later = val", "status": "ok"})
+    ks.persist(store, tid)
+    row = store.get_execution(e1)
+    assert late not in json.dumps(row) and REDACTED in row["outputs"][0]["text"]
+    (v,) = store.get_variables(e1)
+    assert v["blob_hash"] is None and v["stub_reason"] == SECRET_VALUE_REASON
+    assert not store.has_blob(blob)
+    store.close()
+    for f in tmp_path.iterdir():
+        assert late.encode() not in f.read_bytes(), f.name
+
+
+def test_json_values_under_secret_keys_are_replaced_not_learnt():
+    ks = KernelSecrets()
+    outputs = [
+        {
+            "output_type": "display_data",
+            "data": {"application/json": {"db": {"password": "json-planted-0009"}, "rows": 3}},
+            "metadata": {},
+        }
+    ]
+    out = ks.scrub_json(outputs)
+    assert out[0]["data"]["application/json"] == {"db": {"password": REDACTED}, "rows": 3}
+    assert "json-planted-0009" not in ks.values  # a plot spec's "key" fields are not secrets
+    server = StoreRedactor(None)
+    assert server.scrub_json({"api_token": "abcdefgh", "n": "abcdefgh"}) == {
+        "api_token": REDACTED,
+        "n": "abcdefgh",
+    }
+
+
+def test_a_value_learnt_from_a_later_output_is_scrubbed_from_the_earlier_ones():
+    ks = KernelSecrets()
+    first = ks.scrub_output("the value is early-printed-0010\n")
+    second = ks.scrub_output("{'password': 'early-printed-0010'}")
+    assert "early-printed-0010" in first and "early-printed-0010" not in second
+    outputs = [{"output_type": "stream", "text": first}, {"output_type": "stream", "text": second}]
+    assert "early-printed-0010" not in json.dumps(ks.scrub_json(outputs))
+    # Nothing new learnt: the texts scrub_output returned are not scanned a second time.
+    clean = ks.scrub_output("plain text")
+    assert ks.scrub_json([clean]) == ["plain text"] and not ks._scrubbed
+
+
+def test_bearer_and_stripe_shapes():
+    header = "Authorization: Bearer abcdefghijklmnopqrstuvwxyz0123456789"
+    assert redact_tokens(header) == f"Authorization: Bearer {REDACTED}"
+    assert redact_tokens("key sk_live_" + "a1" * 12) == f"key {REDACTED}"
+    assert redact_tokens("xsk_live_" + "a1" * 12) == "xsk_live_" + "a1" * 12  # not a word start
+    assert KernelSecrets().bytes_hold_secret(pickle.dumps(["rk_test_" + "Z9" * 10]))
+    assert not KernelSecrets().bytes_hold_secret(pickle.dumps(["wrk_test_" + "Z9" * 10]))
+
+
+# -- hostile texts ------------------------------------------------------------------------------
+
+PATHOLOGICAL = [
+    "api_key:" + " " * 50_000 + "x",
+    "api_key: " + "a " * 50_000,
+    "{'password': '" + "\\\\" * 50_000,
+    "sk-" + "a-" * 50_000 + "!",
+    '"token"' + " " * 50_000 + ":",
+    "x['token']" + " " * 50_000 + "=",
+    "%env TOKEN" + " " * 50_000 + "=",
+    "-----BEGIN RSA PRIVATE KEY-----" + "A" * 50_000,
+    "token = " + "(" * 50_000,
+]
+
+
+@pytest.mark.parametrize("text", PATHOLOGICAL, ids=lambda t: repr(t[:14]))
+def test_texts_built_to_make_the_patterns_backtrack_are_scanned_in_linear_time(text):
+    # A regex that splits a run of spaces two ways takes hours on these (pytest's timeout
+    # fails the test); every scrubber gets through each in milliseconds.
+    ks = KernelSecrets()
+    ks.learn(SECRET)
+    server = StoreRedactor(None)
+    for scrub in (redact_source, redact_tokens, ks.scrub_output, server.scrub_text):
+        assert isinstance(scrub(text), str)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    before=st.text(max_size=200),
+    after=st.text(max_size=200),
+    name=st.sampled_from(["api_key", "GITHUB_TOKEN", "db_password", "client_secret"]),
+    value=st.text(
+        alphabet=st.characters(blacklist_characters="'\"\\\n\r", blacklist_categories=["Cs"]),
+        min_size=MIN_SECRET_VALUE_LEN,
+        max_size=60,
+    ).filter(lambda v: v.strip() == v and v != REDACTED),
+    form=st.sampled_from(
+        ['{n} = "{v}"', "{n}='{v}'", '{{"{n}": "{v}"}}', 'os.environ["{n}"] = "{v}"']
+    ),
+)
+def test_a_planted_literal_never_survives_and_is_followed(before, after, name, value, form):
+    code = f"{before}\n{form.format(n=name, v=value)}\n{after}"
+    ks = KernelSecrets()
+    ks.observe({}, code)
+    assert value in ks.values
+    assert value not in ks.scrub(redact_source(code))
+    assert value not in ks.scrub(f"printed: {value}!")
+
+
+def test_scrub_context_covers_every_text_field(tmp_path):
+    from dataclasses import dataclass, field
+
+    from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
+
+    @dataclass
+    class RicherContext(PredictionContext):  # a field a later version might add
+        cells_below: list[ContextCell] = field(default_factory=list)
+        last_error: str = ""
+
+    key = "sk-proj-PLANTEDabcdef0123456789xyz"
+    ctx = RicherContext(
+        cells=[ContextCell(source=f"k = {key!r}", output_text=f"{key}\n")],
+        variables=[
+            VariableInfo(name="x", type="str", summary={"repr": repr(key)}),
+            VariableInfo(name="n", type="int", summary={"repr": "3"}),
+        ],
+        target_source=f"print({key!r})",
+        cells_below=[ContextCell(source=f"use({key!r})")],
+        last_error=f"KeyError: {key!r}",
+    )
+    out = StoreRedactor(TrajectoryStore(tmp_path / "t.sqlite")).scrub_context(ctx)
+    assert key not in repr(out) and type(out) is RicherContext
+    assert out.variables[0].summary == {"redacted": True}
+    assert out.variables[1].summary == {"repr": "3"}
+    assert out.cells[0].source == f"k = {REDACTED!r}" and ctx.cells[0].source != out.cells[0].source

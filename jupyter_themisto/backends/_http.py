@@ -1,4 +1,4 @@
-"""Shared plumbing of the HTTP model backends: SSE, retries, errors."""
+"""Shared plumbing of the HTTP model backends: bounded SSE reading, retries, errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import asyncio
 import email.utils
 import json
 import random
+import re
 import time
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,15 +43,112 @@ def retry_after_seconds(headers: httpx.Headers) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-async def iter_sse(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str | None, str]]:
-    """(event, data) pairs of a text/event-stream, per the WHATWG rules that matter here."""
+# What one answer may hold before reading stops (backend settings of the same names). A
+# streamed answer of a few hundred tokens is tens of kilobytes; these leave ample room while
+# keeping a faulty or hostile server from growing the Jupyter server without end.
+MAX_LINE_BYTES = 256 * 1024
+MAX_EVENT_BYTES = 1024 * 1024
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+# Most of an error body (or of an answer that is not an event stream) that is read.
+MAX_ERROR_BODY_BYTES = 64 * 1024
+
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+class StreamTooLarge(BackendError):
+    """The model server's answer passed a size bound; reading stopped."""
+
+
+async def decoded_chunks(resp: httpx.Response, max_bytes: int) -> AsyncIterator[bytes]:
+    """The body's bytes, decompressed by at most `max_bytes` per step (no decompression bomb).
+
+    Reads the raw stream: httpx's own decoders inflate a whole network chunk at once.
+    """
+    encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        async for chunk in resp.aiter_raw():
+            yield chunk
+        return
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise BackendError(
+            f"the model server compressed its answer with {encoding!r}, which is not supported"
+            " (the request asked for none)"
+        )
+    inflate = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib, by the header
+    step = max(1, max_bytes)
+    async for chunk in resp.aiter_raw():
+        data = chunk
+        while data:
+            try:
+                out = inflate.decompress(data, step)
+            except zlib.error as e:
+                raise BackendError(f"the model server sent a corrupt {encoding} body: {e}") from e
+            if out:
+                yield out
+            data = inflate.unconsumed_tail
+
+
+async def read_at_most(resp: httpx.Response, limit: int = MAX_ERROR_BODY_BYTES) -> bytes:
+    """Up to `limit` bytes of the body (the rest is not read; the connection is dropped)."""
+    parts = bytearray()
+    async for chunk in decoded_chunks(resp, limit):
+        parts += chunk[: limit - len(parts)]
+        if len(parts) >= limit:
+            break
+    return bytes(parts)
+
+
+async def bounded_lines(
+    chunks: AsyncIterator[bytes], *, max_line: int, max_total: int, who: str
+) -> AsyncIterator[str]:
+    """Lines (CR, LF or CRLF ended) of a byte stream, refusing a line over `max_line` bytes or
+    a stream over `max_total` bytes (StreamTooLarge) before holding more than that."""
+    line = bytearray()
+    total = 0
+    skip_lf = False  # a CR ended the last chunk: an LF opening the next belongs to it
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > max_total:
+            raise StreamTooLarge(
+                f"{who}: the answer passed {max_total} bytes; stopped reading"
+                " (backend setting max_response_bytes)"
+            )
+        start = 1 if skip_lf and chunk[:1] == b"\n" else 0
+        skip_lf = False
+        for m in _EOL.finditer(chunk, start):
+            line += chunk[start : m.start()]
+            if len(line) > max_line:
+                break
+            yield line.decode("utf-8", "replace")
+            line.clear()
+            start = m.end()
+            skip_lf = m.group() == b"\r" and start == len(chunk)
+        else:
+            line += chunk[start:]
+        if len(line) > max_line:
+            raise StreamTooLarge(
+                f"{who}: the model server sent a line of more than {max_line} bytes without a"
+                " line break; stopped reading (backend setting max_line_bytes)"
+            )
+    if line:
+        yield line.decode("utf-8", "replace")
+
+
+async def iter_sse(
+    lines: AsyncIterator[str], *, max_event: int | None = None, who: str = "the model server"
+) -> AsyncIterator[tuple[str | None, str]]:
+    """(event, data) pairs of a text/event-stream, per the WHATWG rules that matter here.
+
+    An event whose data passes `max_event` characters is refused (StreamTooLarge).
+    """
     event: str | None = None
     data: list[str] = []
+    size = 0
     async for line in lines:
         if line == "":
             if data:
                 yield event, "\n".join(data)
-            event, data = None, []
+            event, data, size = None, [], 0
             continue
         if line.startswith(":"):
             continue
@@ -59,6 +158,12 @@ async def iter_sse(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str | None,
         if name == "event":
             event = value
         elif name == "data":
+            size += len(value) + 1
+            if max_event is not None and size > max_event:
+                raise StreamTooLarge(
+                    f"{who}: the model server sent an event of more than {max_event} bytes;"
+                    " stopped reading (backend setting max_event_bytes)"
+                )
             data.append(value)
     if data:
         yield event, "\n".join(data)
@@ -77,7 +182,8 @@ class HTTPPredictor(Predictor):
     Settings (all optional): base_url, api_key, model, timeout (seconds to wait for a byte),
     connect_timeout, max_retries, backoff (first retry delay, doubled each time),
     max_backoff (longest wait honoured; a longer Retry-After fails the request), max_tokens,
-    temperature.
+    temperature, max_line_bytes / max_event_bytes / max_response_bytes (bounds on one line,
+    one event and the whole answer: past them reading stops with an error).
     """
 
     default_base_url = ""
@@ -103,6 +209,12 @@ class HTTPPredictor(Predictor):
         self.max_backoff = float(c.get("max_backoff", 20.0))
         self.max_tokens = int(c.get("max_tokens", 256))
         self.temperature = float(c.get("temperature", 0.2))
+        self.max_line_bytes = int(c.get("max_line_bytes", MAX_LINE_BYTES))
+        self.max_event_bytes = int(c.get("max_event_bytes", MAX_EVENT_BYTES))
+        self.max_response_bytes = int(c.get("max_response_bytes", MAX_RESPONSE_BYTES))
+        for name in ("max_line_bytes", "max_event_bytes", "max_response_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{self.name} backend: {name} must be positive")
         self._client: httpx.AsyncClient | None = None
 
     # -- helpers -----------------------------------------------------------------------------
@@ -128,6 +240,10 @@ class HTTPPredictor(Predictor):
 
     def headers(self) -> dict[str, str]:
         return {}
+
+    def _request_headers(self) -> dict[str, str]:
+        # No compression: a compressed answer can inflate far past its size on the wire.
+        return {"Accept-Encoding": "identity", **self.headers()}
 
     def error_message(self, status: int, body: bytes) -> str:
         """What the server said about a failed request, for a person to act on."""
@@ -165,10 +281,10 @@ class HTTPPredictor(Predictor):
             delay: float | None = None
             try:
                 async with self.client().stream(
-                    "POST", url, json=payload, headers=self.headers()
+                    "POST", url, json=payload, headers=self._request_headers()
                 ) as resp:
                     if resp.status_code >= 400:
-                        body = await resp.aread()
+                        body = await read_at_most(resp)
                         if resp.status_code in RETRY_STATUSES and attempt < self.max_retries:
                             wait = retry_after_seconds(resp.headers)
                             if wait is None:
@@ -181,14 +297,21 @@ class HTTPPredictor(Predictor):
                     else:
                         ctype = resp.headers.get("content-type", "")
                         if "text/event-stream" not in ctype:
-                            body = await resp.aread()
+                            body = await read_at_most(resp)
                             raise BackendError(
                                 self.scrub(
                                     f"{self.name}: {url} answered {ctype or 'no content type'}"
                                     f" instead of an event stream: {body[:200]!r}"
                                 )
                             )
-                        async for event in iter_sse(resp.aiter_lines()):
+                        lines = bounded_lines(
+                            decoded_chunks(resp, self.max_line_bytes),
+                            max_line=self.max_line_bytes,
+                            max_total=self.max_response_bytes,
+                            who=self.name,
+                        )
+                        events = iter_sse(lines, max_event=self.max_event_bytes, who=self.name)
+                        async for event in events:
                             yield event
                         return
             except httpx.TimeoutException as e:

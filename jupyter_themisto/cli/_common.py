@@ -46,12 +46,31 @@ def progress(total: int | None, desc: str, unit: str = "it", disable: bool = Fal
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, leave=False)
 
 
+def current_umask() -> int:
+    """The process's umask (read without changing it where Linux says it; else set and reset)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[Any]:
-    """Write `path` via a temporary file in the same folder, renamed on success only."""
+    """Write `path` via a temporary file in the same folder, renamed on success only.
+
+    The file gets the mode a plain `open()` would give it (0666 minus the umask): mkstemp's
+    private 0600 would otherwise survive the rename.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         encoding = None if "b" in mode else "utf-8"
         with os.fdopen(fd, mode, encoding=encoding) as f:
             yield f
@@ -74,7 +93,8 @@ def atomic_dir(target: Path, *, force: bool = False) -> Iterator[Path]:
     """Build a folder under a temporary name beside `target`, renamed into place on success.
 
     An existing non-empty `target` is an error unless `force`, which replaces it only once the
-    new folder is complete.
+    new folder is complete. The folder gets the mode `mkdir` would give it (0777 minus the
+    umask), not mkdtemp's private 0700.
     """
     if target.exists() and not target.is_dir():
         raise CliError(f"{target} exists and is not a folder")
@@ -83,6 +103,7 @@ def atomic_dir(target: Path, *, force: bool = False) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
+        tmp.chmod(0o777 & ~current_umask())
         yield tmp
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")

@@ -3,9 +3,12 @@
 Writes one row per execution with everything recorded, the trajectories, and task instances
 in the Themisto framing (next-cell and output), as JSON Lines or Parquet shards, with a dataset
 card (DIR/README.md), a JSON schema (DIR/schema.json) and a manifest (DIR/dump.json). The
-secrets policy (jupyter_themisto.redaction) is applied again: sources are scrubbed and secret
-variables lose their values, so a dump is safe to share even from a store recorded with a
-looser policy. The folder is built under a temporary name and renamed when complete.
+secrets policy (jupyter_themisto.redaction) is applied again: literals bound to secret names,
+credential-shaped strings and the values the kernels recorded as secret (by keyed hash) are
+scrubbed from sources and outputs, and secret variables (or variables holding a secret value)
+lose their values, so a dump is safe to share even from a store recorded with a looser policy.
+The folder is built under a temporary name and renamed when complete; its files and folders
+get the modes the umask gives.
 """
 
 from __future__ import annotations
@@ -198,9 +201,27 @@ def _blob_refs(outputs: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def execution_rows(
-    store: Any, trajectory: dict[str, Any], snapshots: str, pattern: str | None
+    store: Any,
+    trajectory: dict[str, Any],
+    snapshots: str,
+    pattern: str | None,
+    redactor: redaction.StoreRedactor | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Export rows of one trajectory, redacted."""
+    """Export rows of one trajectory, redacted (with --snapshots full, a variable whose
+    serialized value holds a secret loses it too)."""
+    if redactor is None:
+        redactor = redaction.StoreRedactor(store, pattern)
+        redactor.refresh()
+    blob_checked: dict[str, bool] = {}
+
+    def blob_holds_secret(digest: str) -> bool:
+        if digest not in blob_checked:
+            try:
+                blob_checked[digest] = redactor.blob_holds_secret(store.get_blob(digest))
+            except KeyError:
+                blob_checked[digest] = False
+        return blob_checked[digest]
+
     for e in store.list_executions(trajectory["id"]):
         snap = store.get_snapshot(e["id"]) if snapshots != "none" else None
         variables = store.get_variables(e["id"]) if snap else []
@@ -213,8 +234,8 @@ def execution_rows(
             "msg_id": e.get("msg_id"),
             "execution_count": e.get("execution_count"),
             "source": e["source"],
-            "output_text": outputs_to_text(e["outputs"], limit=1 << 40),
-            "outputs": json.dumps(e["outputs"], ensure_ascii=False),
+            "output_text": "",  # from the scrubbed outputs, below
+            "outputs": e["outputs"],
             "output_blobs": _blob_refs(e["outputs"]),
             "status": e["status"],
             "started_at": e.get("started_at"),
@@ -241,8 +262,12 @@ def execution_rows(
                 for v in variables
             ],
         }
-        row = redaction.redact_export_row(row, pattern)
-        for v in row["variables"]:
+        row = redactor.scrub_export_row(row)
+        row["output_text"] = outputs_to_text(row["outputs"], limit=1 << 40)
+        row["outputs"] = json.dumps(row["outputs"], ensure_ascii=False)
+        for i, v in enumerate(row["variables"]):
+            if snapshots == "full" and v["blob_hash"] and blob_holds_secret(v["blob_hash"]):
+                v = row["variables"][i] = redaction.stub_variable(v, redaction.SECRET_VALUE_REASON)
             v["summary"] = json.dumps(v["summary"], ensure_ascii=False, default=str)
         yield row
 
@@ -378,6 +403,8 @@ def export_dump(
 ) -> dict[str, Any]:
     """Write the dump folder; returns its manifest."""
     total = sum(t["n_executions"] for t in trajectories)
+    redactor = redaction.StoreRedactor(store, pattern)
+    redactor.refresh()
     with atomic_dir(out, force=force) as tmp:
         writers = {
             "executions": _TableWriter(tmp, "executions", fmt, EXECUTION_FIELDS, shard_rows),
@@ -403,7 +430,7 @@ def export_dump(
                     }
                 )
                 rows = []
-                for row in execution_rows(store, t, snapshots, pattern):
+                for row in execution_rows(store, t, snapshots, pattern, redactor):
                     writers["executions"].write(row)
                     rows.append(row)
                     if snapshots == "full":
@@ -560,10 +587,14 @@ Each element of `variables`:
 ## Secrets
 
 Exported with the secrets pattern `{manifest["secret_pattern"]}` (case-insensitive, matched
-anywhere in a name): string literals assigned to a matching name in `source` are replaced by
-`<redacted>`, and matching variables keep only their name and type (no size, summary, blob
-or fingerprint). Check a dump before publishing it all the same: a secret computed at run time
-and printed is in its output.
+anywhere in a name): string literals bound to a matching name (`API_KEY = "…"`,
+`{{"password": "…"}}`, `os.environ["TOKEN"] = "…"`) and credential-shaped strings (`sk-…`,
+`ghp_…`, `AKIA…`, JWTs, PEM private keys, …) are replaced by `<redacted>` in sources and
+outputs, and so is every value the recording kernels knew to be secret (bound to a matching
+variable, dict key or environment variable). Matching variables, and variables whose value
+holds a secret, keep only their name and type (no size, summary, blob or fingerprint). Check a
+dump before publishing it all the same: a secret the kernel never saw bound to a secret name
+(read from a file and printed, say) is in its output.
 
 ## Blobs
 

@@ -23,7 +23,7 @@ from typing import Any
 from traitlets import Bool, Enum, Float, Int, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
-from ..redaction import DEFAULT_SECRET_PATTERN, compile_pattern, redact_source, redact_text
+from ..redaction import DEFAULT_SECRET_PATTERN, KernelSecrets, compile_pattern, redact_source
 from . import resources
 from .outputs import OutputCapture, drain_fd_pipes, error_output, finalize_outputs
 
@@ -95,9 +95,10 @@ class ThemistoRecorder(LoggingConfigurable):
     )
     secret_pattern = Unicode(
         DEFAULT_SECRET_PATTERN,
-        help="Case-insensitive regex: variables whose name matches are stored without value "
-        "or repr, string literals assigned to them are redacted from the recorded source, and "
-        "their string values are scrubbed from recorded outputs.",
+        help="Case-insensitive regex: variables (and dict keys, environment variables) whose "
+        "name matches are stored without value or repr, string literals assigned to them are "
+        "redacted from the recorded source, and their values are followed: scrubbed from every "
+        "recorded source and output, and any variable holding one is stored as a stub.",
     ).tag(config=True)
     redact_source = Bool(
         True, help="Redact string literals assigned to secret names in the recorded source."
@@ -139,6 +140,8 @@ class ThemistoRecorder(LoggingConfigurable):
         self._handler_patch: tuple[Any, Any, Any] | None = None
         # Where the last execution's post_run_cell time went (seconds by step).
         self.last_timings: dict[str, float] = {}
+        # The values known secret (plaintext in this process only; the store gets keyed hashes).
+        self.secrets = KernelSecrets(self.secret_pattern)
         from .snapshot import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
@@ -378,8 +381,10 @@ class ThemistoRecorder(LoggingConfigurable):
         if store is None or self._ensure_trajectory() is None:
             return
         t0 = time.perf_counter()
-        secrets = self._secret_values()
-        scrub = (lambda text: redact_text(text, secrets)) if secrets else None
+        secrets = self.secrets
+        secrets.pattern, secrets.output_limit = self.secret_pattern, self.max_output_bytes
+        secrets.load_digests(store)
+        secrets.observe(self.shell.user_ns, current["source"])
         outputs = finalize_outputs(
             raw_outputs,
             max_output_bytes=self.max_output_bytes,
@@ -387,13 +392,14 @@ class ThemistoRecorder(LoggingConfigurable):
             blob_threshold=self.blob_threshold_bytes,
             max_blob_bytes=self.max_blob_bytes,
             put_blob=store.put_blob,
-            scrub=scrub,
+            scrub=secrets.scrub_output,
         )
+        # Again as a whole: a value learnt from a later output, JSON outputs.
+        outputs = secrets.scrub_json(outputs)
         source = current["source"]
         if self.redact_source:
             source = redact_source(source, self.secret_pattern)
-        if scrub:
-            source = scrub(source)
+        source = secrets.scrub(source)
         snapshot_status = "pending" if self.snapshots.will_snapshot() else "off"
         t1 = time.perf_counter()
         execution_id = store.add_execution(
@@ -415,6 +421,11 @@ class ThemistoRecorder(LoggingConfigurable):
             },
         )
         self.last_execution_id = execution_id
+        try:
+            # New secret values: their keyed hashes to the store, earlier rows scrubbed of them.
+            secrets.persist(store, self.trajectory_id)
+        except Exception as e:
+            self._report("recording secret digests failed", e)
         t2 = time.perf_counter()
         if snapshot_status == "pending":
             self.snapshots.take(execution_id)
@@ -423,16 +434,6 @@ class ThemistoRecorder(LoggingConfigurable):
             "store": t2 - t1,
             "snapshot": time.perf_counter() - t2,
         }
-
-    def _secret_values(self) -> list[str]:
-        """String values of secret-named variables, to scrub from recorded text."""
-        regex = compile_pattern(self.secret_pattern)
-        found = []
-        for name, value in list(self.shell.user_ns.items()):
-            if isinstance(value, (str, bytes)) and not name.startswith("_") and regex.search(name):
-                text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-                found.append(text)
-        return found
 
     # -- status ------------------------------------------------------------------------------
 

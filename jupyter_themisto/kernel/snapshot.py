@@ -5,7 +5,9 @@ without IPython's own (hidden) names and without modules.
 
 Per variable, in this order:
 
-1. a name matching the secret pattern, or a dict holding a secret-named key (one level deep)
+1. a name matching the secret pattern, a dict holding a secret-named key (one level deep), or
+   a value, serialized bytes or summary holding a value known secret (jupyter_themisto.
+   redaction.KernelSecrets: `x = api_key`, a list or DataFrame holding it)
    -> stub with the type only (no value, repr, fingerprint);
 2. objects that must not or cannot be pickled -> stub (type, short repr, reason): file objects
    (pickling flushes them: in a forked child that writes the person's buffered data twice),
@@ -59,7 +61,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ..redaction import REDACTED_REASON, is_secret_name
+from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_variable
 
 # Exit codes of the snapshot child.
 _CHILD_OK = 0
@@ -477,8 +479,13 @@ class SnapshotWriter:
         max_variable_bytes: int,
         max_variable_seconds: float,
         max_repr_chars: int,
+        secrets: KernelSecrets | None = None,
+        recheck: bool = False,
     ) -> None:
         self.store = store
+        self.secrets = secrets
+        # Values learnt secret since the last snapshot: nothing is reused unseen.
+        self.recheck = recheck
         self.trajectory_id = trajectory_id
         self.secret_pattern = secret_pattern
         self.max_variable_bytes = max_variable_bytes
@@ -511,6 +518,13 @@ class SnapshotWriter:
         )
         return sid, status
 
+    def _holds_secret(self, rec: dict[str, Any], **what: Any) -> bool:
+        """Make `rec` a stub if the value, its bytes or its summary hold a secret value."""
+        reason = self.secrets.stub_reason(**what) if self.secrets is not None else None
+        if reason:
+            rec.update(stub_variable(rec, reason), changed=True)
+        return reason is not None
+
     def record(self, name: str, value: Any, prev: dict[str, Any] | None) -> dict[str, Any]:
         rec: dict[str, Any] = {"name": name, "type": type_name(value)}
         if is_secret_name(name, self.secret_pattern):
@@ -525,16 +539,21 @@ class SnapshotWriter:
             )
             rec["changed"] = prev is None or prev.get("stub_reason") != rec["stub_reason"]
             return rec
+        if self._holds_secret(rec, value=value):
+            return rec
         reason = refusal(value)
         if reason:
             summary = summarize(value, self.max_repr_chars)
+            if self._holds_secret(rec, summary=summary):
+                return rec
             rec.update(summary=summary, stub_reason=reason)
             rec["changed"] = prev is None or prev.get("summary", {}).get("repr") != summary["repr"]
             return rec
         fp = fingerprint(value)
         rec["fingerprint"] = fp
         same_type = prev is not None and prev.get("type") == rec["type"]
-        if fp is not None and same_type and prev is not None and prev.get("fingerprint") == fp:
+        reuse = same_type and prev is not None and not self.recheck
+        if fp is not None and reuse and prev is not None and prev.get("fingerprint") == fp:
             # Unchanged by its fingerprint: reuse the previous summary and blob (or stub).
             rec.update(
                 summary=dict(prev.get("summary") or {}),
@@ -545,6 +564,8 @@ class SnapshotWriter:
             )
             return rec
         summary = summarize(value, self.max_repr_chars)
+        if self._holds_secret(rec, summary=summary):
+            return rec
         rec["summary"] = summary
         estimate = estimated_size(value)
         if estimate is not None and estimate > self.max_variable_bytes:
@@ -581,12 +602,14 @@ class SnapshotWriter:
                 raise
             rec.update(stub_reason=f"unpicklable: {type(e).__name__}: {str(e)[:200]}", changed=True)
             return rec
+        if self._holds_secret(rec, data=data):
+            return rec
         summary["codec"] = codec
         if fp is None:
             # No cheap fingerprint: the pickle's own hash spares the compression and write of
             # a value serialized to the same bytes as last time.
             fp = rec["fingerprint"] = f"pickle:{_xxh3(data)}"
-            if same_type and prev is not None and prev.get("fingerprint") == fp:
+            if reuse and prev is not None and prev.get("fingerprint") == fp:
                 rec.update(size=len(data), blob_hash=prev.get("blob_hash"), changed=False)
                 if rec["blob_hash"]:
                     return rec
@@ -612,6 +635,8 @@ class SnapshotManager:
         self._frozen = False
         # Set at interpreter exit: no fork then, the snapshot is taken inline.
         self.exiting = False
+        # The recorder's KernelSecrets generation the last snapshot was taken with.
+        self.secrets_generation = 0
 
     def will_snapshot(self) -> bool:
         return self.recorder.snapshot_mode != "off"
@@ -621,6 +646,8 @@ class SnapshotManager:
 
     def _writer(self) -> SnapshotWriter:
         r = self.recorder
+        secrets = getattr(r, "secrets", None)
+        generation = secrets.generation if secrets is not None else 0
         return SnapshotWriter(
             r.store,
             r.trajectory_id,
@@ -628,13 +655,20 @@ class SnapshotManager:
             max_variable_bytes=r.max_variable_bytes,
             max_variable_seconds=r.max_variable_seconds,
             max_repr_chars=r.max_repr_chars,
+            secrets=secrets,
+            recheck=generation != self.secrets_generation,
         )
+
+    def _taken(self) -> None:
+        secrets = getattr(self.recorder, "secrets", None)
+        self.secrets_generation = secrets.generation if secrets is not None else 0
 
     def take(self, execution_id: int) -> None:
         mode = self.recorder.snapshot_mode
         if mode == "inline" or (mode == "fork" and (self.exiting or not hasattr(os, "fork"))):
             variables = list(user_variables(self.recorder.shell))
             self._writer().write(execution_id, variables, mode="inline")
+            self._taken()
         elif mode == "fork":
             self._fork(execution_id)
 
@@ -668,6 +702,7 @@ class SnapshotManager:
             os.setpgid(pid, pid)
         except OSError:
             pass
+        self._taken()
         self.children[pid] = [execution_id, time.monotonic(), False]
 
     def _child(self, execution_id: int) -> None:

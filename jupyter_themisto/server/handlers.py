@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+from urllib.parse import quote
 
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
@@ -16,6 +17,21 @@ from .manager import Event, NotFound, ThemistoManager
 from .models import NextCellRequest, OutputRequest, ValidationError, describe_validation_error
 
 AUTH_RESOURCE = "themisto"
+# SQLite's integers are signed 64-bit: a larger id, offset or limit is an input error.
+MAX_SQL_INT = 2**63 - 1
+
+
+def parse_int(name: str, raw: str, *, minimum: int = 0) -> int:
+    """`raw` as an integer in [minimum, MAX_SQL_INT], else a 400 naming `name`."""
+    shown = raw if len(raw) <= 40 else raw[:40] + "…"
+    wanted = f"{name}: must be an integer from {minimum} to {MAX_SQL_INT}, got {shown!r}"
+    try:
+        value = int(raw)
+    except ValueError:  # not a number, or more digits than Python converts
+        raise web.HTTPError(400, wanted) from None
+    if not minimum <= value <= MAX_SQL_INT:
+        raise web.HTTPError(400, wanted)
+    return value
 
 
 class ThemistoHandler(APIHandler):
@@ -29,13 +45,7 @@ class ThemistoHandler(APIHandler):
         raw = self.get_query_argument(name, None)
         if raw is None or raw == "":
             return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise web.HTTPError(400, f"{name}: must be an integer, got {raw!r}") from None
-        if value < minimum:
-            raise web.HTTPError(400, f"{name}: must be >= {minimum}, got {value}")
-        return value
+        return parse_int(name, raw, minimum=minimum)
 
     def write_json(self, obj: Any) -> None:
         self.set_header("Content-Type", "application/json")
@@ -81,12 +91,7 @@ class VariablesHandler(ThemistoHandler):
     @web.authenticated
     @authorized
     async def get(self, execution_id: str) -> None:
-        try:
-            eid = int(execution_id)
-        except ValueError:
-            raise web.HTTPError(
-                400, f"execution id: must be an integer, got {execution_id!r}"
-            ) from None
+        eid = parse_int("execution id", execution_id)
         try:
             self.write_json({"variables": self.manager.variables(eid)})
         except NotFound as e:
@@ -99,18 +104,17 @@ class VariableBlobHandler(ThemistoHandler):
     @web.authenticated
     @authorized
     async def get(self, execution_id: str, name: str) -> None:
-        try:
-            eid = int(execution_id)
-        except ValueError:
-            raise web.HTTPError(
-                400, f"execution id: must be an integer, got {execution_id!r}"
-            ) from None
+        eid = parse_int("execution id", execution_id)
         try:
             data, codec = self.manager.variable_blob(eid, name)
         except NotFound as e:
             raise web.HTTPError(404, str(e)) from None
-        self.set_header("X-Themisto-Codec", codec)
-        self.set_header("Content-Disposition", f'attachment; filename="{name}.pickle"')
+        self.set_header("X-Themisto-Codec", quote(codec))
+        # Any name a kernel allows (non-ASCII, quotes) as an RFC 6266 header value.
+        self.set_header(
+            "Content-Disposition",
+            f"attachment; filename*=UTF-8''{quote(name + '.pickle', safe='')}",
+        )
         self.finish(data, set_content_type="application/octet-stream")
 
 
@@ -136,6 +140,8 @@ class PredictHandler(ThemistoHandler):
             body = json.loads(self.request.body or b"{}")
         except ValueError as e:
             raise web.HTTPError(400, f"body: not valid JSON: {e}") from None
+        except RecursionError:
+            raise web.HTTPError(400, "body: JSON nested too deeply") from None
         if not isinstance(body, dict):
             raise web.HTTPError(400, "body: must be a JSON object")
         try:

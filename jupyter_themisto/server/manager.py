@@ -21,7 +21,7 @@ from ..backends import (
     create_backend,
 )
 from ..context import ContextCell, PredictionContext, build_context
-from ..redaction import redact_variable
+from ..redaction import StoreRedactor, redact_variable
 from ..store import TrajectoryStore
 from .models import NextCellRequest, OutputRequest
 
@@ -66,6 +66,8 @@ class ThemistoManager:
         self.max_page = max_page
         self.snapshot_wait = snapshot_wait
         self._backends: dict[str, Predictor] = {}
+        # The secrets policy for everything that leaves the store (answers and contexts).
+        self.redactor = StoreRedactor(store)
         self._active: dict[tuple[str, ...], asyncio.Task[Any]] = {}
         #: how many prediction streams ended by cancellation (disconnect or supersede)
         self.cancelled = 0
@@ -91,15 +93,17 @@ class ThemistoManager:
         t = self.get_trajectory(trajectory_id)
         limit = self.max_page if limit is None else min(limit, self.max_page)
         rows = self.store.list_executions(t["id"], offset=offset, limit=limit)
-        return rows, t["n_executions"]
+        self.redactor.refresh()
+        return [self.redactor.scrub_execution(r) for r in rows], t["n_executions"]
 
     def variables(self, execution_id: int) -> list[dict[str, Any]]:
         if self.store.get_execution(execution_id) is None:
             raise NotFound(f"no execution {execution_id}")
         out = []
+        self.redactor.refresh()
         for v in self.store.get_variables(execution_id):
             # Redacted again here: a store written under a narrower policy must not leak.
-            v = redact_variable(v)
+            v = self.redactor.scrub_variable(v)
             out.append(
                 {
                     "name": v["name"],
@@ -122,12 +126,16 @@ class ThemistoManager:
         for v in self.store.get_variables(execution_id):
             if v["name"] != name:
                 continue
-            v = redact_variable(v)
+            self.redactor.refresh()
+            v = self.redactor.scrub_variable(v)
             if not v.get("blob_hash"):
                 reason = v.get("stub_reason") or "not serialized"
                 raise NotFound(f"variable {name!r} has no stored value ({reason})")
             codec = str((v.get("summary") or {}).get("codec") or "pickle")
-            return self.store.get_blob(v["blob_hash"]), codec
+            data = self.store.get_blob(v["blob_hash"])
+            if self.redactor.blob_holds_secret(data):
+                raise NotFound(f"variable {name!r} has no stored value (redacted: holds a secret)")
+            return data, codec
         raise NotFound(f"no variable {name!r} in the snapshot of execution {execution_id}")
 
     # -- backends ----------------------------------------------------------------------------
@@ -311,7 +319,9 @@ class ThemistoManager:
         if sent and (not recorded or recorded[-1] != sent[-1]):
             ctx.cells.append(ContextCell(source=sent[-1], execution_count=None))
         try:
-            await asyncio.wait_for(warm(ctx), self.prediction_timeout)
+            # Scrubbed as at the door of open_stream: the backend's cache then holds the very
+            # prompt the prediction will send, and never a secret.
+            await asyncio.wait_for(warm(self.redactor.scrub_context(ctx)), self.prediction_timeout)
         except asyncio.TimeoutError:
             self.log.info(
                 "themisto: warming %s took longer than %g s", name, self.prediction_timeout
@@ -359,6 +369,8 @@ class ThemistoManager:
             if req.with_runtime and task == "output":
                 await self.wait_for_snapshot(trajectory)
             ctx = self.context(req, trajectory)
+        # The one door to every backend: nothing secret passes it (values, literals, keys).
+        ctx = self.redactor.scrub_context(ctx)
         started = time.perf_counter()
         deadline = started + self.prediction_timeout
         agen: Any  # an async generator of NextCellChunk or OutputChunk

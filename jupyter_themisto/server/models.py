@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 __all__ = [
     "NextCellRequest",
@@ -15,24 +22,36 @@ __all__ = [
 ]
 
 
+def _utf8(value: str) -> str:
+    # JSON's "\ud800" escapes give strings no file, database or model server can take.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode (an unpaired surrogate at {e.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
 class NotebookCell(BaseModel):
     """A cell of the notebook as the browser has it (optional context for the prediction)."""
 
     model_config = ConfigDict(extra="ignore")
 
     cell_type: Literal["code", "markdown", "raw"] = "code"
-    source: str = ""
+    source: Text = ""
 
 
 class PredictionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kernel_id: str | None = Field(None, min_length=1, max_length=200)
-    trajectory_id: str | None = Field(None, min_length=1, max_length=200)
-    notebook_path: str | None = Field(None, max_length=4096)
-    backend: str | None = Field(None, min_length=1, max_length=100)
+    kernel_id: Text | None = Field(None, min_length=1, max_length=200)
+    trajectory_id: Text | None = Field(None, min_length=1, max_length=200)
+    notebook_path: Text | None = Field(None, max_length=4096)
+    backend: Text | None = Field(None, min_length=1, max_length=100)
     with_runtime: bool = True
-    client_id: str | None = Field(None, max_length=200)
+    client_id: Text | None = Field(None, max_length=200)
     cells: list[NotebookCell] | None = Field(None, max_length=10000)
 
     @model_validator(mode="after")
@@ -50,7 +69,7 @@ class NextCellRequest(PredictionRequest):
 
 
 class OutputRequest(PredictionRequest):
-    source: str = Field(..., max_length=1_000_000)
+    source: Text = Field(..., max_length=1_000_000)
 
 
 def describe_validation_error(e: ValidationError) -> str:

@@ -72,6 +72,15 @@ MIGRATIONS: list[str] = [
         data         BLOB NOT NULL
     );
     """,
+    # 1 -> 2: keyed hashes of secret values (jupyter_themisto.redaction), never the values.
+    """
+    CREATE TABLE secret_digests (
+        digest      TEXT PRIMARY KEY,                 -- HMAC-SHA256 (128 bits) under <store>.key
+        length      INTEGER NOT NULL,                 -- characters of the value
+        spaced      INTEGER NOT NULL,                 -- the value holds whitespace
+        created_at  REAL NOT NULL
+    );
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

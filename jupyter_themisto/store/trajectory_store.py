@@ -114,6 +114,9 @@ class TrajectoryStore:
                     )
                     conn.execute("PRAGMA journal_mode=WAL")
                     conn.execute("PRAGMA synchronous=NORMAL")
+                    # Zero what a write frees within a page (no extra I/O): text moved by a
+                    # page split leaves no copy behind for a later secret scrub to miss.
+                    conn.execute("PRAGMA secure_delete=FAST")
                 conn.execute("PRAGMA foreign_keys=ON")
                 conn.row_factory = sqlite3.Row
             except sqlite3.Error as e:
@@ -389,6 +392,49 @@ class TrajectoryStore:
         ).fetchone()
         return self.get_variables(row["id"]) if row else []
 
+    # -- secret digests (jupyter_themisto.redaction) ------------------------------------------
+
+    def add_secret_digests(self, rows: Iterable[tuple[str, int, bool]]) -> int:
+        """Record keyed hashes of secret values: (digest, length, holds whitespace) each."""
+        rows = list(rows)
+        if not rows:
+            return 0
+        now = time.time()
+        with self._write() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT OR IGNORE INTO secret_digests (digest, length, spaced, created_at)"
+                " VALUES (?, ?, ?, ?)",
+                [(d, int(n), int(bool(sp)), now) for d, n, sp in rows],
+            )
+            return conn.total_changes - before
+
+    def secret_digests(self) -> list[tuple[str, int, bool]]:
+        rows = self._conn().execute("SELECT digest, length, spaced FROM secret_digests")
+        return [(d, n, bool(sp)) for d, n, sp in rows]
+
+    def secret_digest_count(self) -> int:
+        return self._conn().execute("SELECT count(*) FROM secret_digests").fetchone()[0]
+
+    @contextmanager
+    def secure_rewrite(self) -> Iterator[_Rewrite]:
+        """One transaction that replaces recorded content (a secret learnt late): replaced
+        bytes are zeroed (secure_delete) and the WAL is checkpointed and truncated afterwards,
+        so the old text is left neither in the database file nor in its log."""
+        conn = self._conn()
+        conn.execute("PRAGMA secure_delete = ON")
+        try:
+            with self._write() as conn:
+                rewrite = _Rewrite(conn)
+                yield rewrite
+            if rewrite.changes:
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                except sqlite3.Error:
+                    pass  # a busy reader: the next checkpoint overwrites the old pages
+        finally:
+            conn.execute("PRAGMA secure_delete = FAST")
+
     def latest_trajectory_for_kernel(self, kernel_id: str) -> dict[str, Any] | None:
         """The newest trajectory recorded by the kernel `kernel_id` (a restart starts another)."""
         row = self._conn().execute(
@@ -407,6 +453,40 @@ class TrajectoryStore:
             (trajectory_id,),
         )
         return {name: order for name, order in rows}
+
+
+class _Rewrite:
+    """The writes TrajectoryStore.secure_rewrite allows."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.changes = 0
+
+    def execution(self, execution_id: int, *, source: str, outputs: list[Any]) -> None:
+        self.conn.execute(
+            "UPDATE executions SET source = ?, outputs = ? WHERE id = ?",
+            (source, json.dumps(outputs), execution_id),
+        )
+        self.changes += 1
+
+    def variable(self, snapshot_id: int, name: str, reason: str) -> None:
+        """Make a variable record a stub: no size, summary, blob or fingerprint."""
+        self.conn.execute(
+            "UPDATE variables SET size = NULL, summary = ?, blob_hash = NULL, fingerprint = NULL,"
+            " stub_reason = ? WHERE snapshot_id = ? AND name = ?",
+            (json.dumps({"redacted": True}), reason, snapshot_id, name),
+        )
+        self.changes += 1
+
+    def drop_blobs(self, digests: Iterable[str]) -> None:
+        """Delete blobs no variable refers to any more."""
+        for digest in digests:
+            self.conn.execute(
+                "DELETE FROM blobs WHERE hash = ? AND NOT EXISTS"
+                " (SELECT 1 FROM variables WHERE blob_hash = ?)",
+                (digest, digest),
+            )
+            self.changes += 1
 
 
 _TRAJECTORY_SELECT = (

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,12 @@ class Fault:
     "hang" (sleep `delay` seconds before any byte), "malformed" (invalid JSON where the API
     sends JSON), "cut" (start streaming, send `after_chunks` chunks, close the connection
     without the end marker), "slow" (stream with `delay` seconds between chunks; notes in
-    `peer.disconnects` when the client went away), "stream_error" (an error event mid-stream).
+    `peer.disconnects` when the client went away), "stream_error" (an error event mid-stream),
+    "endless_line" (one `data:` line that never ends), "huge_event" (one event of endless short
+    `data:` lines, never closed by a blank line), "endless_events" (valid small events, never an
+    end marker), "gzip_line" (an endless line, gzip-compressed about 1000 to 1 whatever the
+    request asked). The endless kinds stop when the client goes away (noted in `disconnects`,
+    bytes written in `sent_bytes`) or after `limit` bytes.
     """
 
     kind: str
@@ -51,6 +57,7 @@ class Fault:
     delay: float = 0.0
     after_chunks: int = 1
     message: str = ""
+    limit: int = 8 << 30
 
     @classmethod
     def error(cls, status: int, *, retry_after: float | None = None, message: str = "") -> Fault:
@@ -78,6 +85,22 @@ class Fault:
     def slow(cls, delay: float) -> Fault:
         return cls("slow", delay=delay)
 
+    @classmethod
+    def endless_line(cls, limit: int = 8 << 30) -> Fault:
+        return cls("endless_line", limit=limit)
+
+    @classmethod
+    def huge_event(cls, limit: int = 8 << 30) -> Fault:
+        return cls("huge_event", limit=limit)
+
+    @classmethod
+    def endless_events(cls, limit: int = 8 << 30) -> Fault:
+        return cls("endless_events", limit=limit)
+
+    @classmethod
+    def gzip_line(cls, limit: int = 8 << 30) -> Fault:
+        return cls("gzip_line", limit=limit)
+
 
 @dataclass
 class _Request:
@@ -92,6 +115,7 @@ class _PeerState:
     faults: deque[Fault] = field(default_factory=deque)
     requests: list[_Request] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)
+    sent_bytes: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -167,6 +191,11 @@ class _Peer:
     @property
     def disconnects(self) -> list[str]:
         return list(self.state.disconnects)
+
+    @property
+    def sent_bytes(self) -> list[int]:
+        """Bytes written by each answer of an endless fault, in order."""
+        return list(self.state.sent_bytes)
 
     def _next_fault(self) -> Fault | None:
         with self.state.lock:
@@ -249,6 +278,51 @@ class _Peer:
     def error_body(self, status: int, message: str) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _endless(
+        self, h: BaseHTTPRequestHandler, fault: Fault, delta: str, event: str | None
+    ) -> None:
+        """Answer with one of the endless faults (see Fault); `delta` is one valid event's data."""
+        head = f"event: {event}\n" if event else ""
+        if fault.kind == "gzip_line":
+            h.send_response(200)
+            h.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            h.send_header("Content-Encoding", "gzip")
+            h.send_header("Connection", "close")
+            h.end_headers()
+            h.close_connection = True
+            gz = zlib.compressobj(9, zlib.DEFLATED, 31)
+            block = gz.compress(b"data: " + b"a" * (1 << 20)) + gz.flush(zlib.Z_SYNC_FLUSH)
+            more = gz.compress(b"a" * (1 << 20)) + gz.flush(zlib.Z_SYNC_FLUSH)
+            sent = 0
+            try:
+                h.wfile.write(block)
+                while sent < fault.limit:
+                    h.wfile.write(more)
+                    sent += len(more)
+                h.wfile.flush()
+            finally:
+                with self.state.lock:
+                    self.state.sent_bytes.append(sent)
+            return
+        self._start_sse(h)
+        if fault.kind == "endless_line":
+            opening, piece = f"{head}data: {delta[: len(delta) // 2]}", b"a" * 65536
+        elif fault.kind == "huge_event":
+            opening, piece = head, b"data: " + b"b" * 1018 + b"\n"
+            piece *= 64
+        else:
+            opening, piece = "", (f"{head}data: {delta}\n\n" * 256).encode()
+        sent = 0
+        try:
+            h.wfile.write(opening.encode())
+            while sent < fault.limit:
+                h.wfile.write(piece)
+                sent += len(piece)
+            h.wfile.flush()
+        finally:
+            with self.state.lock:
+                self.state.sent_bytes.append(sent)
+
 
 _OPENAI_ERRORS = {
     400: ("invalid_request_error", None),
@@ -326,7 +400,6 @@ class OpenAIPeer(_Peer):
                 },
             )
             return
-        self._start_sse(h)
         sent = 0
 
         def chunk(i: int, text: str | None, finish: str | None, first: bool = False) -> str:
@@ -350,6 +423,10 @@ class OpenAIPeer(_Peer):
                 }
             )
 
+        if fault is not None and fault.kind.startswith(("endless", "huge", "gzip")):
+            self._endless(h, fault, chunk(0, "x", None), None)
+            return
+        self._start_sse(h)
         for i, text in enumerate(texts):
             if chat:
                 self._send_event(h, chunk(i, "", None, first=True))
@@ -438,6 +515,11 @@ class AnthropicPeer(_Peer):
                     "usage": {"input_tokens": 10, "output_tokens": 5},
                 },
             )
+            return
+        if fault is not None and fault.kind.startswith(("endless", "huge", "gzip")):
+            delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta"}}
+            delta["delta"]["text"] = "x"
+            self._endless(h, fault, json.dumps(delta), "content_block_delta")
             return
         self._start_sse(h)
         start = {

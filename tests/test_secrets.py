@@ -1,0 +1,216 @@
+"""Secrets planted in every path a value can take — a secret-named variable, a copy in another
+name, a list and a DataFrame holding it, a credential-shaped literal, `os.environ`, an inherited
+environment variable, a displayed dict, a value known secret only later, the browser's cells —
+are found in none of: the API's answers, the server's logs, the store's file bytes, an export
+with full snapshots, and the requests a (loopback) model server receives."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from jupyter_themisto.redaction import REDACTED, SECRET_VALUE_REASON
+from jupyter_themisto.store import TrajectoryStore
+from tests.peers import OpenAIPeer
+from tests.test_recorder_kernel import RecordingKernel
+
+PLANTED = {
+    "name": "hunter2-planted-value-0001",
+    "shape": "sk-proj-PLANTED0002abcdefghijklmnop",
+    "environ": "envplanted-0003-abcdef",
+    "shown": "dictplanted-0004-xyz",
+    "inherited": "inheritedplanted-0005",
+    "late": "lateplanted-0006-value",
+}
+CELLS = [
+    "import os\nimport pandas as pd",
+    f"api_key = {PLANTED['name']!r}",
+    "x = api_key\nholder = [x, 1]\nframe = pd.DataFrame({'c': [x, 'other']})\nprint(x)\nx",
+    f"model_cfg = {PLANTED['shape']!r}\nmodel_cfg",
+    f"os.environ['OPENAI_API_KEY'] = {PLANTED['environ']!r}",
+    "print(os.environ['OPENAI_API_KEY'])",
+    # A displayed dict whose value is in no source and no variable.
+    "print({'pass' + 'word': 'dict' + 'planted-0004-xyz'})",
+    "print(os.environ['PLANTED_SERVICE_TOKEN'])",
+    # Printed and snapshotted while nobody knows it is secret...
+    "val = 'late' + 'planted-0006-value'\nprint(val)",
+    # ...until it is bound to a secret name.
+    "secret_later = val",
+    "n = 3\nn * 2",
+]
+
+
+@pytest.fixture
+def peer():
+    with OpenAIPeer(reply="n + 1") as p:
+        yield p
+
+
+@pytest.fixture
+def jp_server_config(store_path, peer):
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
+        "ThemistoExtensionApp": {
+            "auto_record": False,
+            # Not the embedded model (the default with the [llm] extra): these tests are not
+            # about it, and it would answer slowly on a busy machine.
+            "default_backend": "retrieval",
+            "backend_settings": {"openai": {"base_url": peer.url, "max_retries": 0}},
+        },
+    }
+
+
+@pytest.fixture
+def recorded(store_path, monkeypatch):
+    monkeypatch.setenv("PLANTED_SERVICE_TOKEN", PLANTED["inherited"])
+    kernel = RecordingKernel(store_path)
+    try:
+        ids = []
+        for i, code in enumerate(CELLS):
+            ids.append(kernel.send(code, cell_id=f"cell-{i}"))
+            executed = kernel.collect(ids[-1])
+            assert executed.reply["status"] == "ok", executed.reply
+            kernel.wait_snapshot(ids[-1])
+        rows = kernel.executions()
+        yield kernel, rows
+    finally:
+        kernel.shutdown()
+
+
+def leaks(data: bytes | str) -> list[str]:
+    """The planted secrets found in `data` (as UTF-8, or as numpy's UTF-32 for bytes)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    found = []
+    for name, value in PLANTED.items():
+        if value.encode() in data or value.encode("utf-32-le") in data:
+            found.append(name)
+    return found
+
+
+async def body_of(coro) -> bytes:
+    try:
+        return (await coro).body
+    except HTTPClientError as e:
+        return e.response.body
+
+
+async def test_planted_secrets_leak_nowhere(
+    jp_fetch, jp_serverapp, recorded, store_path, peer, caplog, tmp_path
+):
+    kernel, rows = recorded
+    caplog.set_level(logging.DEBUG)
+    ext_log = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_themisto"])).log
+    ext_lines = io.StringIO()
+    handler = logging.StreamHandler(ext_lines)
+    ext_log.addHandler(handler)
+
+    # What the kernel recorded: sources and outputs scrubbed, holders stubbed.
+    by_cell = {r["cell_id"]: r for r in rows}
+    assert by_cell["cell-1"]["source"] == f"api_key = {REDACTED!r}"
+    assert REDACTED in by_cell["cell-6"]["outputs"][0]["text"]
+    with TrajectoryStore(store_path, readonly=True) as store:
+        variables = {v["name"]: v for v in store.get_variables(rows[-1]["id"])}
+        early = {v["name"]: v for v in store.get_variables(by_cell["cell-8"]["id"])}
+    for name in ("x", "holder", "frame", "model_cfg", "val"):
+        assert variables[name]["stub_reason"] == SECRET_VALUE_REASON, name
+        assert variables[name]["blob_hash"] is None and variables[name]["fingerprint"] is None
+    assert variables["api_key"]["stub_reason"].startswith("redacted")
+    assert variables["n"]["blob_hash"] and variables["n"]["summary"]["repr"] == "3"
+    # Snapshotted before it was known secret, stubbed when it became so.
+    assert early["val"]["stub_reason"] == SECRET_VALUE_REASON
+
+    tid = rows[0]["trajectory_id"]
+    bodies = [
+        await body_of(jp_fetch("themisto", "trajectories")),
+        await body_of(jp_fetch("themisto", "trajectories", tid)),
+        await body_of(jp_fetch("themisto", "trajectories", tid, "executions")),
+    ]
+    for r in rows:
+        bodies.append(await body_of(jp_fetch("themisto", "executions", str(r["id"]), "variables")))
+        for name in ("x", "holder", "frame", "model_cfg", "val", "api_key", "secret_later", "n"):
+            bodies.append(
+                await body_of(
+                    jp_fetch("themisto", "executions", str(r["id"]), "variables", name, "blob")
+                )
+            )
+    # The browser sends the notebook's cells and the cell to predict, secrets and all.
+    cells = [{"cell_type": "code", "source": c} for c in CELLS]
+    cells += [
+        {"cell_type": "markdown", "source": f"Key for the demo: {PLANTED['shape']}"},
+        {"cell_type": "code", "source": f"copy = {PLANTED['late']!r}"},
+        {"cell_type": "code", "source": f"shown = {PLANTED['shown']!r}"},
+    ]
+    for backend in ("openai", "retrieval"):
+        body = {"trajectory_id": tid, "backend": backend}
+        bodies.append(
+            await body_of(
+                jp_fetch(
+                    "themisto",
+                    "predict",
+                    "next-cell",
+                    method="POST",
+                    body=json.dumps({**body, "cells": cells}),
+                )
+            )
+        )
+        source = f"check({PLANTED['inherited']!r}, {PLANTED['environ']!r})"
+        bodies.append(
+            await body_of(
+                jp_fetch(
+                    "themisto",
+                    "predict",
+                    "output",
+                    method="POST",
+                    body=json.dumps({**body, "source": source}),
+                )
+            )
+        )
+    ext_log.removeHandler(handler)
+
+    # The loopback model server was asked (the prompts are real) and saw no secret.
+    assert len(peer.requests) == 2
+    prompt = json.dumps([req.body for req in peer.requests])
+    assert "print(x)" in prompt and REDACTED in prompt
+    assert leaks(prompt) == []
+    for b in bodies:
+        assert leaks(b) == [], b[:500]
+    assert leaks(caplog.text) == [] and leaks(ext_lines.getvalue()) == []
+
+    # The store's files hold none of them (the key file holds a random key only).
+    kernel.settle()
+    for f in store_path.parent.iterdir():
+        if f.is_file() and not f.name.endswith(".key"):
+            assert leaks(f.read_bytes()) == [], f.name
+
+    # Nor does an export with every blob.
+    out = tmp_path / "dump"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_themisto.cli",
+            "--store",
+            str(store_path),
+            "export",
+            "--out",
+            str(out),
+            "--snapshots",
+            "full",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert any(f.parent.name == "blobs" for f in files)
+    for f in files:
+        assert leaks(f.read_bytes()) == [], f
+    assert leaks(done.stdout + done.stderr) == []
