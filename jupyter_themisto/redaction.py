@@ -39,7 +39,21 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SECRET_PATTERN = r"key|token|secret|password|passwd|credential"
+# Words that name a credential on their own, and "key"/"token" only behind a word that makes them
+# one (`api_key`, `GITHUB_TOKEN`, `x-api-key`): a bare `key` is a loop variable or a sort key, and
+# its value ("sepal_length") would otherwise be followed and scrubbed from every cell.
+DEFAULT_SECRET_PATTERN = (
+    r"passw(?:or)?d|passphrase|secret|credential"
+    r"|(?:api|access|private|auth|client|signing|encryption|master|license|ssh|gpg|pgp|aws|gcp"
+    r"|azure|stripe|openai|anthropic|github|gitlab|slack|service|consumer|subscription|hf|session"
+    r"|fernet|jwt|hmac)[_-]?keys?(?![a-z])"
+    r"|(?:access|auth|api|bearer|refresh|session|oauth|github|gh|gitlab|hf|hub|huggingface|slack"
+    r"|discord|telegram|bot|jwt|csrf|personal|openai|anthropic|jupyterhub|npm|pypi|twitter|id)"
+    r"[_-]?tokens?(?![a-z])"
+)
+# Environment variables are named by convention (`SERVICE_TOKEN`, `STRIPE_KEY`): with the default
+# pattern, their names (in the environment and where a cell sets one) match these wider words.
+ENV_SECRET_PATTERN = r"key|token|secret|passw|passphrase|credential"
 REDACTED = "<redacted>"
 REDACTED_REASON = "redacted: the name matches the secret pattern"
 SECRET_VALUE_REASON = "redacted: holds a secret value"
@@ -215,11 +229,23 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
     values are appended to `found` (as written and as Python reads them).
     """
     regex = compile_pattern(pattern)
-    if not _may_name_secret(text, pattern, regex):
+    env_pattern = env_secret_pattern(pattern)
+    env_regex = compile_pattern(env_pattern)
+    if not _may_name_secret(text, env_pattern, env_regex):
         return text
 
+    def secret_name(m: re.Match[str]) -> bool:
+        name = m.group("name")
+        if regex.search(name):
+            return True
+        # `os.environ["NAME"] = …`, `putenv("NAME", …)`, `environ.setdefault("NAME", …)`
+        return bool(
+            env_regex.search(name)
+            and _ENV_BEFORE.search(m.string, max(0, m.start() - 40), m.start())
+        )
+
     def scrub(m: re.Match[str]) -> str:
-        if not regex.search(m.group("name")):
+        if not secret_name(m):
             return m.group(0)
         quote = m.group("q3") or m.group("q1")
         if found is not None:
@@ -227,7 +253,7 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
         return f"{m.group('lhs')}{m.group('prefix')}{quote}{REDACTED}{quote}"
 
     def scrub_shell(m: re.Match[str]) -> str:
-        if not regex.search(m.group("name")):
+        if not env_regex.search(m.group("name")):
             return m.group(0)
         body = m.group("body")
         if found is not None:
@@ -244,7 +270,7 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
     # A long text (an HTML table): only the lines naming a secret, and what a literal opened
     # there spans, can hold a binding.
     parts, last = [], 0
-    for start, end in _regions(text, pattern, regex):
+    for start, end in _regions(text, env_pattern, env_regex):
         parts += [text[last:start], bind(text[start:end])]
         last = end
     parts.append(text[last:])
@@ -253,12 +279,24 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
 
 # Texts up to this long are searched whole; longer ones around the names that match only.
 _WHOLE_TEXT = 4096
-_DEFAULT_WORDS = ("key", "token", "secret", "passw", "credential")
+_DEFAULT_WORDS = ("key", "token", "secret", "passw", "passphrase", "credential")
+
+
+# What stands before a binding that sets an environment variable.
+_ENV_BEFORE = re.compile(
+    r"(?:environ|putenv|setdefault)\s*$|environ\.update\(\s*(?:\{|dict\()?\s*$"
+)
+
+
+def env_secret_pattern(pattern: str | None) -> str:
+    """The pattern for environment variable names: the wider words for the default pattern,
+    else the person's own pattern."""
+    return ENV_SECRET_PATTERN if pattern in (None, "", DEFAULT_SECRET_PATTERN) else pattern
 
 
 def _may_name_secret(text: str, pattern: str | None, regex: re.Pattern[str]) -> bool:
-    """False when no secret name can occur in `text` (a fast path for the default pattern)."""
-    if pattern in (None, "", DEFAULT_SECRET_PATTERN):
+    """False when no secret name can occur in `text` (a fast path for the default patterns)."""
+    if pattern in (None, "", DEFAULT_SECRET_PATTERN, ENV_SECRET_PATTERN):
         low = text.lower()
         return any(w in low for w in _DEFAULT_WORDS)
     return regex.search(text) is not None
@@ -624,7 +662,9 @@ class KernelSecrets:
         data = getattr(os.environ, "_data", None)
         if data is None or data != self._environ:
             self._environ = dict(data) if data is not None else {}
-            for name in _secret_lines("\n".join(os.environ), self.pattern, regex):
+            env_pattern = env_secret_pattern(self.pattern)
+            env_names = "\n".join(os.environ)
+            for name in _secret_lines(env_names, env_pattern, compile_pattern(env_pattern)):
                 self.learn(os.environ.get(name))
         found: list[str] = []
         redact_tokens(redact_literals(source, self.pattern, found), found)
@@ -941,6 +981,7 @@ def redact_export_row(row: Mapping[str, Any], pattern: str | None = None) -> dic
 
 __all__ = [
     "DEFAULT_SECRET_PATTERN",
+    "ENV_SECRET_PATTERN",
     "REDACTED",
     "REDACTED_REASON",
     "SECRET_VALUE_REASON",
@@ -949,6 +990,7 @@ __all__ = [
     "KernelSecrets",
     "StoreRedactor",
     "compile_pattern",
+    "env_secret_pattern",
     "is_secret_name",
     "key_path",
     "load_key",

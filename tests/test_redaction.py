@@ -36,13 +36,49 @@ from jupyter_themisto.store import TrajectoryStore
 
 
 @pytest.mark.parametrize(
-    "name", ["api_key", "GITHUB_TOKEN", "db_Password", "passwd", "aws_secret", "Credentials"]
+    "name",
+    [
+        "api_key",
+        "GITHUB_TOKEN",
+        "db_Password",
+        "passwd",
+        "aws_secret",
+        "Credentials",
+        "OPENAI_API_KEY",
+        "x-api-key",
+        "apiKey",
+        "accessToken",
+        "hf_token",
+        "AWS_SECRET_ACCESS_KEY",
+        "my_passphrase",
+    ],
 )
 def test_secret_names(name):
     assert is_secret_name(name)
 
 
-@pytest.mark.parametrize("name", ["df", "model", "result", "pass_rate", "X_train"])
+# Names real notebooks use for ordinary values (a loop's `key`, a sort key, NLP tokens): their
+# values must not be followed, or "sepal_length" would be scrubbed from every cell.
+@pytest.mark.parametrize(
+    "name",
+    [
+        "df",
+        "model",
+        "result",
+        "pass_rate",
+        "X_train",
+        "key",
+        "keys",
+        "sort_key",
+        "primary_key",
+        "keywords",
+        "monkey",
+        "tokens",
+        "tokenizer",
+        "bos_token",
+        "max_tokens",
+    ],
+)
 def test_plain_names(name):
     assert not is_secret_name(name)
 
@@ -75,7 +111,7 @@ def test_redact_variable_drops_value_repr_and_fingerprint():
 def test_redact_source_literals():
     src = (
         'API_KEY = "sk-live-123"\n'
-        "token: str = 'tok-456'\n"
+        "auth_token: str = 'tok-456'\n"
         'conf = {"password": "pw-789", "user": "ann"}\n'
         'client = Client(api_key="sk-000", timeout=3)\n'
         'name = "keep me"\n'
@@ -118,7 +154,7 @@ def test_redact_text_and_export_row():
         ('if (api_key := "envval-901234"):\n    pass', "envval-901234"),
         ("pw = {'password': 'envval-012345', 'user': 'ann'}", "envval-012345"),
         (
-            'conf = """\napi_key = "inner-123456"\n"""\ntoken = """multi\nline-secret"""',
+            'conf = """\napi_key = "inner-123456"\n"""\nauth_token = """multi\nline-secret"""',
             "line-secret",
         ),
     ],
@@ -294,7 +330,7 @@ def test_values_persist_as_keyed_hashes_and_the_server_follows_them(tmp_path):
     load_key(path)  # a new key: the old hashes no longer match anything
     store = TrajectoryStore(path)
     ks1 = KernelSecrets()
-    ks1.observe({"token": "second-planted-0007"}, "")
+    ks1.observe({"hf_token": "second-planted-0007"}, "")
     ks1.persist(store, None)
     ks2 = KernelSecrets()
     ks2.load_digests(store)

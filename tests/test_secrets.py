@@ -214,3 +214,36 @@ async def test_planted_secrets_leak_nowhere(
     for f in files:
         assert leaks(f.read_bytes()) == [], f
     assert leaks(done.stdout + done.stderr) == []
+
+
+ORDINARY = [
+    # What tutorials do with keys and tokens: none of these values is a secret.
+    "d = {'key1': 'value1', 'species': 'setosa'}\nfor key in d:\n    print(key, d[key])",
+    "sort_key = 'sepal_length'\ntokens = 'the quick brown fox'.split()\nbos_token = '<|endoftext|>'",
+    "print(sort_key, bos_token, d['key1'])",
+    # A real one among them is still followed.
+    "os = __import__('os')\nos.environ['SERVICE_TOKEN'] = 'svc-planted-0007'\nx = 'svc-planted-0007'",
+]
+
+
+def test_ordinary_keys_and_tokens_are_not_followed(store_path):
+    kernel = RecordingKernel(store_path)
+    try:
+        for i, code in enumerate(ORDINARY):
+            mid = kernel.send(code, cell_id=f"ord-{i}")
+            assert kernel.collect(mid).reply["status"] == "ok"
+            kernel.wait_snapshot(mid)
+        rows = kernel.executions()
+        with TrajectoryStore(store_path, readonly=True) as store:
+            variables = {v["name"]: v for v in store.get_variables(rows[-1]["id"])}
+    finally:
+        kernel.shutdown()
+    recorded = json.dumps([[r["source"], r["outputs"]] for r in rows])
+    for word in ("value1", "setosa", "sepal_length", "<|endoftext|>", "quick"):
+        assert word in recorded, word
+    assert rows[0]["outputs"][0]["text"] == "key1 value1\nspecies setosa\n"
+    for name in ("d", "key", "sort_key", "tokens", "bos_token"):
+        assert variables[name]["stub_reason"] is None, name
+        assert variables[name]["blob_hash"], name
+    assert "svc-planted-0007" not in recorded
+    assert variables["x"]["stub_reason"] == SECRET_VALUE_REASON
