@@ -28,6 +28,10 @@ from . import resources
 from .outputs import OutputCapture, drain_fd_pipes, error_output, finalize_outputs
 
 NOTEBOOK_PATH_ENV = "THEMISTO_NOTEBOOK_PATH"
+# Set by the server for the kernels it launches: "0" when the notebook opts out of recording.
+RECORD_ENV = "THEMISTO_RECORD"
+# Set by the server: its root directory, to turn JPY_SESSION_NAME into the notebook's API path.
+SERVER_ROOT_ENV = "THEMISTO_SERVER_ROOT"
 # Seconds between attempts to reopen a store that could not be opened.
 _STORE_RETRY = 10.0
 
@@ -39,9 +43,11 @@ def _default_snapshot_mode() -> str:
 class ThemistoRecorder(LoggingConfigurable):
     """Records each execution (source, outputs, status, time, memory, snapshot) to the store."""
 
-    enabled = Bool(True, help="Record executions (the %themisto on/off magic toggles it).").tag(
-        config=True
-    )
+    enabled = Bool(
+        help="Record executions (the %themisto on/off magic toggles it). Default: on, unless "
+        "the environment variable THEMISTO_RECORD is 0 (the server sets it for a notebook "
+        'whose metadata says "themisto": {"record": false}).'
+    ).tag(config=True)
     store_path = Unicode(
         "",
         help="Trajectory store file; empty: $THEMISTO_STORE, else the Jupyter data directory.",
@@ -108,6 +114,10 @@ class ThemistoRecorder(LoggingConfigurable):
         "(the person does not wait for them); a cell sent meanwhile first completes them.",
     ).tag(config=True)
 
+    @default("enabled")
+    def _enabled_default(self) -> bool:
+        return os.environ.get(RECORD_ENV, "1").strip() != "0"
+
     @default("snapshot_mode")
     def _snapshot_mode_default(self) -> str:
         return _default_snapshot_mode()
@@ -156,7 +166,7 @@ class ThemistoRecorder(LoggingConfigurable):
         atexit.register(self._at_exit)
         self._registered = True
         try:
-            if self._open_store() is not None:
+            if self.enabled and self._open_store() is not None:
                 self._ensure_trajectory()
         except Exception as e:
             # Retried at the first execution; loading must not fail the person's cell.
@@ -452,8 +462,21 @@ class ThemistoRecorder(LoggingConfigurable):
 
 
 def notebook_path() -> str | None:
-    """THEMISTO_NOTEBOOK_PATH (set by `jupyter themisto record`), else JPY_SESSION_NAME."""
-    return os.environ.get(NOTEBOOK_PATH_ENV) or os.environ.get("JPY_SESSION_NAME") or None
+    """THEMISTO_NOTEBOOK_PATH (set by `jupyter themisto record`), else JPY_SESSION_NAME (set by
+    Jupyter Server: the notebook's OS path), relative to THEMISTO_SERVER_ROOT when under it."""
+    explicit = os.environ.get(NOTEBOOK_PATH_ENV)
+    if explicit:
+        return explicit
+    session = os.environ.get("JPY_SESSION_NAME")
+    root = os.environ.get(SERVER_ROOT_ENV)
+    if session and root:
+        try:
+            rel = os.path.relpath(os.path.abspath(session), os.path.abspath(root))
+        except ValueError:
+            rel = os.pardir
+        if not rel.startswith(os.pardir):
+            return rel.replace(os.sep, "/")
+    return session or None
 
 
 def current_kernel_id() -> str | None:

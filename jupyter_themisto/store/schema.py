@@ -72,6 +72,13 @@ MIGRATIONS: list[str] = [
         data         BLOB NOT NULL
     );
     """,
+    # 1 -> 2: executions may be 'lost' (written after the fact, `detail` says why); snapshots
+    # may be 'unchanged' (the namespace of execution `same_as`, no variable rows of their own)
+    # or 'coalesced' (not taken: a later execution's snapshot was taken instead).
+    """
+    ALTER TABLE executions ADD COLUMN detail TEXT;
+    ALTER TABLE snapshots ADD COLUMN same_as INTEGER REFERENCES executions (id);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
