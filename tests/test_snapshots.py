@@ -199,7 +199,11 @@ def test_a_variable_too_slow_to_serialize_is_summarized(kernel):
 
 
 def test_child_bound_skips_then_waits_when_configured(tmp_path):
-    k = RecordingKernel(tmp_path / "bound.sqlite", ["--ThemistoRecorder.max_snapshot_children=1"])
+    # Each execution snapshots right after its reply (no coalescing of back-to-back cells).
+    k = RecordingKernel(
+        tmp_path / "bound.sqlite",
+        ["--ThemistoRecorder.max_snapshot_children=1", "--ThemistoRecorder.snapshot_delay=0"],
+    )
     try:
         slow = k.run(
             "import time\n"

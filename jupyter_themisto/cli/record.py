@@ -28,7 +28,7 @@ _SET_MODE = (
 )
 _FLUSH = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
-    ".flush_pending()"
+    ".settle()"
 )
 _RUNNING = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"

@@ -18,6 +18,14 @@ marker `TRUNCATION_MARKER`; the execution's inline total is bounded by `max_exec
 (further outputs are replaced by one stream output saying how many were omitted). Outputs
 that were cut carry `metadata.themisto.truncated = true`.
 
+Every display_data / execute_result is recorded in its wire form: packed exactly as
+jupyter_client packs the message the frontend receives (bytes as base64 — IPython's PNG/JPEG/PDF
+formatters return bytes —, numpy numbers as JSON numbers, NaN/inf as their repr, non-string keys
+as strings, tuples and sets as lists) and read back. A MIME value that cannot be packed (an
+object JSON cannot hold, a key collision, nesting too deep) is left out of the recorded bundle
+and named with the reason in `metadata.themisto.unrecorded`; an output none of whose values can
+be packed becomes a `text/plain` stub saying why. The execution is recorded either way.
+
 Binary payloads (base64 MIME values such as image/png, image/jpeg, application/pdf) larger than
 `blob_threshold` bytes are stored in the trajectory store's blob table (the decoded bytes,
 content-addressed) and the MIME value in the output dict is replaced by a reference::
@@ -35,6 +43,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import json
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,6 +53,7 @@ OMITTED_MARKER = (
     "[themisto: {count} more outputs omitted ({size} bytes), over the execution bound]\n"
 )
 BLOB_KEY = "themisto_blob"
+UNRECORDED_MARKER = "[themisto: this output was not recorded: {reason}]"
 
 # MIME types whose values are base64 text of binary data in Jupyter messages.
 _TEXT_MIME_PREFIXES = ("text/",)
@@ -242,6 +252,79 @@ def error_output(shell: Any, execution_count: int | None, exc: BaseException) ->
     }
 
 
+def _pack(obj: Any) -> str:
+    """JSON text of `obj` as jupyter_client's session packs a message (json_packer)."""
+    from jupyter_client.jsonutil import json_clean, json_default
+
+    try:
+        return json.dumps(obj, default=json_default, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        # jupyter_client's own fallback (it warns; a warning here would reach the cell).
+        clean = json_clean(obj)
+        return json.dumps(clean, default=json_default, ensure_ascii=False, allow_nan=False)
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply to encode as JSON"
+    return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def wire_form(out: dict[str, Any]) -> dict[str, Any]:
+    """A display_data / execute_result dict as the frontend received it (see module doc)."""
+    try:
+        wired = json.loads(_pack(out))
+        if isinstance(wired, dict):
+            return wired
+    except (TypeError, ValueError, RecursionError, OverflowError):
+        pass
+    # Value by value: keep what packs, name what does not.
+    result: dict[str, Any] = {k: v for k, v in out.items() if k not in ("data", "metadata")}
+    try:
+        result = json.loads(_pack(result))
+    except (TypeError, ValueError, RecursionError, OverflowError):
+        result = {"output_type": out.get("output_type", "display_data")}
+    data: dict[str, Any] = {}
+    unrecorded: dict[str, str] = {}
+    raw_data = out.get("data")
+    items = list(raw_data.items()) if isinstance(raw_data, dict) else []
+    if not isinstance(raw_data, dict):
+        unrecorded["data"] = f"not a MIME bundle: {type(raw_data).__name__}"
+    for mime, value in items:
+        try:
+            data[str(mime)] = json.loads(_pack(value))
+        except (TypeError, ValueError, RecursionError, OverflowError) as e:
+            unrecorded[str(mime)] = _reason(e)
+    try:
+        metadata = json.loads(_pack(out.get("metadata") or {}))
+        if not isinstance(metadata, dict):
+            metadata = {}
+    except (TypeError, ValueError, RecursionError, OverflowError) as e:
+        metadata = {}
+        unrecorded["metadata"] = _reason(e)
+    if not data:
+        reasons = "; ".join(f"{k}: {v}" for k, v in unrecorded.items()) or "empty"
+        data = {"text/plain": UNRECORDED_MARKER.format(reason=reasons)}
+    metadata.setdefault("themisto", {})
+    if isinstance(metadata["themisto"], dict):
+        metadata["themisto"]["unrecorded"] = unrecorded
+    result["data"] = data
+    result["metadata"] = metadata
+    return result
+
+
+def unrecorded_output(out: Any, error: BaseException) -> dict[str, Any]:
+    """The stub that stands for an output that could not be recorded at all."""
+    kind = out.get("output_type") if isinstance(out, dict) else None
+    reason = _reason(error)
+    stub: dict[str, Any] = {
+        "output_type": "display_data",
+        "data": {"text/plain": UNRECORDED_MARKER.format(reason=reason)},
+        "metadata": {"themisto": {"unrecorded": {str(kind or "output"): reason}}},
+    }
+    return stub
+
+
 def finalize_outputs(
     raw: Iterable[dict[str, Any]],
     *,
@@ -257,34 +340,19 @@ def finalize_outputs(
     total = 0
     omitted_count = 0
     omitted_size = 0
-    for out in raw:
-        out = dict(out)
-        if out.get("output_type") == "stream" and "_parts" in out:
-            out["text"] = "".join(out.pop("_parts"))
-        cut = False
-        if out.get("output_type") == "stream":
-            text = scrub(out["text"]) if scrub else out["text"]
-            out["text"], cut = _truncate(text, max_output_bytes)
-            size = len(out["text"].encode("utf-8", "replace"))
-        elif out.get("output_type") == "error":
-            size = 0
-            if scrub:
-                out["evalue"] = scrub(out.get("evalue", ""))
-                out["traceback"] = [scrub(t) for t in out.get("traceback", [])]
-            for i, line in enumerate(out.get("traceback", [])):
-                out["traceback"][i], c = _truncate(line, max_output_bytes)
-                cut = cut or c
-                size += len(out["traceback"][i])
-        else:
-            data, size, cut = _bound_bundle(
-                out.get("data") or {},
+    for original in raw:
+        try:
+            out, size, cut = _finalize_one(
+                original,
                 max_output_bytes=max_output_bytes,
                 blob_threshold=blob_threshold,
                 max_blob_bytes=max_blob_bytes,
                 put_blob=put_blob,
                 scrub=scrub,
             )
-            out["data"] = data
+        except Exception as e:  # one output's trouble never costs the others
+            out = unrecorded_output(original, e)
+            size, cut = len(out["data"]["text/plain"]), False
         if total + size > max_execution_bytes:
             omitted_count += 1
             omitted_size += size
@@ -305,6 +373,48 @@ def finalize_outputs(
             }
         )
     return result
+
+
+def _finalize_one(
+    original: dict[str, Any],
+    *,
+    max_output_bytes: int,
+    blob_threshold: int,
+    max_blob_bytes: int,
+    put_blob: Callable[[bytes], str] | None,
+    scrub: Callable[[str], str] | None,
+) -> tuple[dict[str, Any], int, bool]:
+    """One output: wire form, scrubbed, bounded; returns it, its size, whether it was cut."""
+    out = dict(original)
+    if out.get("output_type") == "stream" and "_parts" in out:
+        out["text"] = "".join(out.pop("_parts"))
+    elif out.get("output_type") in ("display_data", "execute_result"):
+        out = wire_form(out)
+    cut = False
+    if out.get("output_type") == "stream":
+        text = scrub(out["text"]) if scrub else out["text"]
+        out["text"], cut = _truncate(text, max_output_bytes)
+        size = len(out["text"].encode("utf-8", "replace"))
+    elif out.get("output_type") == "error":
+        size = 0
+        if scrub:
+            out["evalue"] = scrub(out.get("evalue", ""))
+            out["traceback"] = [scrub(t) for t in out.get("traceback", [])]
+        for i, line in enumerate(out.get("traceback", [])):
+            out["traceback"][i], c = _truncate(line, max_output_bytes)
+            cut = cut or c
+            size += len(out["traceback"][i])
+    else:
+        data, size, cut = _bound_bundle(
+            out.get("data") or {},
+            max_output_bytes=max_output_bytes,
+            blob_threshold=blob_threshold,
+            max_blob_bytes=max_blob_bytes,
+            put_blob=put_blob,
+            scrub=scrub,
+        )
+        out["data"] = data
+    return out, size, cut
 
 
 def _truncate(text: str, limit: int) -> tuple[str, bool]:
@@ -376,9 +486,14 @@ def _offload(
 ) -> dict[str, Any] | None:
     if put_blob is None:
         return None
+    compact = "".join(value.split())
     try:
-        raw = base64.b64decode(value, validate=False)
+        raw = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
+        return None
+    # Only canonical base64 is offloaded: resolving the reference must give the value back
+    # (a custom application/* type may carry text that merely decodes).
+    if base64.b64encode(raw).decode("ascii") != compact:
         return None
     if len(raw) > max_blob_bytes:
         return None
