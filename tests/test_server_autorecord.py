@@ -129,10 +129,22 @@ def execute_request(code):
         "date": "",
         "version": "5.3",
     }
-    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-               "allow_stdin": False, "stop_on_error": False}
-    msg = {"header": header, "parent_header": {}, "metadata": {"cellId": f"cell-{msg_id[:6]}"},
-           "content": content, "channel": "shell", "buffers": []}
+    content = {
+        "code": code,
+        "silent": False,
+        "store_history": True,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": False,
+    }
+    msg = {
+        "header": header,
+        "parent_header": {},
+        "metadata": {"cellId": f"cell-{msg_id[:6]}"},
+        "content": content,
+        "channel": "shell",
+        "buffers": [],
+    }
     return msg_id, json.dumps(msg)
 
 

@@ -197,9 +197,11 @@ class TrajectoryStore:
             )
 
     def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
-        row = self._conn().execute(
-            _TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(_TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,))
+            .fetchone()
+        )
         return _trajectory_dict(row) if row else None
 
     def list_trajectories(
@@ -263,17 +265,25 @@ class TrajectoryStore:
 
     def execution_id(self, trajectory_id: str, order_index: int) -> int | None:
         """The id of a trajectory's execution at `order_index`, if written."""
-        row = self._conn().execute(
-            "SELECT id FROM executions WHERE trajectory_id = ? AND order_index = ?",
-            (trajectory_id, order_index),
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT id FROM executions WHERE trajectory_id = ? AND order_index = ?",
+                (trajectory_id, order_index),
+            )
+            .fetchone()
+        )
         return int(row[0]) if row else None
 
     def next_order_index(self, trajectory_id: str) -> int:
-        row = self._conn().execute(
-            "SELECT coalesce(max(order_index) + 1, 0) FROM executions WHERE trajectory_id = ?",
-            (trajectory_id,),
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT coalesce(max(order_index) + 1, 0) FROM executions WHERE trajectory_id = ?",
+                (trajectory_id,),
+            )
+            .fetchone()
+        )
         return int(row[0])
 
     def get_execution(self, execution_id: int) -> dict[str, Any] | None:
@@ -295,9 +305,11 @@ class TrajectoryStore:
     def count_executions(self, trajectory_id: str | None = None) -> int:
         if trajectory_id is None:
             return self._conn().execute("SELECT count(*) FROM executions").fetchone()[0]
-        return self._conn().execute(
-            "SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,)
-        ).fetchone()[0]
+        return (
+            self._conn()
+            .execute("SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,))
+            .fetchone()[0]
+        )
 
     def set_snapshot_status(self, execution_id: int, status: str) -> None:
         with self._write() as conn:
@@ -326,18 +338,24 @@ class TrajectoryStore:
         return found is not None
 
     def get_blob(self, digest: str) -> bytes:
-        row = self._conn().execute(
-            "SELECT codec, data FROM blobs WHERE hash = ?", (digest,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT codec, data FROM blobs WHERE hash = ?", (digest,))
+            .fetchone()
+        )
         if row is None:
             raise KeyError(digest)
         return _decompress(row["data"], row["codec"])
 
     def blob_stats(self) -> dict[str, int]:
-        row = self._conn().execute(
-            "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
-            " coalesce(sum(stored_size), 0) AS stored FROM blobs"
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
+                " coalesce(sum(stored_size), 0) AS stored FROM blobs"
+            )
+            .fetchone()
+        )
         return {"count": row["n"], "size": row["size"], "stored_size": row["stored"]}
 
     # -- snapshots ---------------------------------------------------------------------------
@@ -395,18 +413,22 @@ class TrajectoryStore:
         return sid
 
     def get_snapshot(self, execution_id: int) -> dict[str, Any] | None:
-        row = self._conn().execute(
-            "SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,))
+            .fetchone()
+        )
         return dict(row) if row else None
 
     def _holder(self, execution_id: int) -> int:
         """The execution whose snapshot rows hold `execution_id`'s namespace."""
         seen = {execution_id}
         while True:
-            row = self._conn().execute(
-                "SELECT same_as FROM snapshots WHERE execution_id = ?", (execution_id,)
-            ).fetchone()
+            row = (
+                self._conn()
+                .execute("SELECT same_as FROM snapshots WHERE execution_id = ?", (execution_id,))
+                .fetchone()
+            )
             if row is None or row["same_as"] is None or row["same_as"] in seen:
                 return execution_id
             execution_id = row["same_as"]
@@ -432,29 +454,40 @@ class TrajectoryStore:
     def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
         """The variables of the trajectory's most recent snapshot that was written (one that
         holds variables, directly or through `same_as`)."""
-        rows = self._conn().execute(
-            "SELECT e.id, s.status, s.same_as FROM executions e"
-            " JOIN snapshots s ON s.execution_id = e.id"
-            " WHERE e.trajectory_id = ? AND s.status IN ('ok', 'partial', 'unchanged')"
-            " ORDER BY e.order_index DESC LIMIT 50",
-            (trajectory_id,),
-        ).fetchall()
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT e.id, s.status, s.same_as FROM executions e"
+                " JOIN snapshots s ON s.execution_id = e.id"
+                " WHERE e.trajectory_id = ? AND s.status IN ('ok', 'partial', 'unchanged')"
+                " ORDER BY e.order_index DESC LIMIT 50",
+                (trajectory_id,),
+            )
+            .fetchall()
+        )
         for row in rows:
             holder = self._holder(row["id"])
-            status = self._conn().execute(
-                "SELECT status FROM snapshots WHERE execution_id = ?", (holder,)
-            ).fetchone()
+            status = (
+                self._conn()
+                .execute("SELECT status FROM snapshots WHERE execution_id = ?", (holder,))
+                .fetchone()
+            )
             if status is not None and status["status"] in ("ok", "partial"):
                 return self.get_variables(holder)
         return []
 
     def latest_trajectory_for_kernel(self, kernel_id: str) -> dict[str, Any] | None:
         """The newest trajectory recorded by the kernel `kernel_id` (a restart starts another)."""
-        row = self._conn().execute(
-            _TRAJECTORY_SELECT + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
-            " LIMIT 1",
-            (kernel_id,),
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                _TRAJECTORY_SELECT
+                + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
+                " LIMIT 1",
+                (kernel_id,),
+            )
+            .fetchone()
+        )
         return _trajectory_dict(row) if row else None
 
     def variable_changes(self, trajectory_id: str) -> dict[str, int]:
