@@ -75,7 +75,7 @@ class RecordingKernel:
             kind = msg["msg_type"]
             if kind == "status" and msg["content"]["execution_state"] == "idle":
                 break
-            if kind in ("stream", "display_data", "execute_result", "error"):
+            if kind in ("stream", "display_data", "update_display_data", "execute_result", "error"):
                 outputs.append((kind, msg["content"]))
         while True:
             reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))

@@ -21,10 +21,10 @@ that were cut carry `metadata.themisto.truncated = true`.
 Every display_data / execute_result is recorded in its wire form: packed exactly as
 jupyter_client packs the message the frontend receives (bytes as base64 — IPython's PNG/JPEG/PDF
 formatters return bytes —, numpy numbers as JSON numbers, NaN/inf as their repr, non-string keys
-as strings, tuples and sets as lists) and read back. A MIME value that cannot be packed (an
-object JSON cannot hold, a key collision, nesting too deep) is left out of the recorded bundle
-and named with the reason in `metadata.themisto.unrecorded`; an output none of whose values can
-be packed becomes a `text/plain` stub saying why. The execution is recorded either way.
+as strings, tuples and sets as lists) and read back. An output that cannot be packed (an object
+JSON cannot hold, a key collision, nesting too deep) never reached the frontend either: it is
+recorded as a `text/plain` stub saying why, with the offending MIME keys and reasons in
+`metadata.themisto.unrecorded`. Only that output: the execution is recorded either way.
 
 Binary payloads (base64 MIME values such as image/png, image/jpeg, application/pdf) larger than
 `blob_threshold` bytes are stored in the trajectory store's blob table (the decoded bytes,
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import copy
 import json
 import sys
 from collections.abc import Callable, Iterable
@@ -160,18 +159,25 @@ class OutputCapture:
             self.outputs.append({"output_type": "stream", "name": name, "_parts": [text]})
 
     def _display_hook(self, msg: Any) -> Any:
+        # Only references are kept here (no copy on the person's time): the writer thread packs
+        # them into their wire form just after the reply.
         try:
             if self.active and isinstance(msg, dict):
                 kind = msg.get("msg_type") or msg.get("header", {}).get("msg_type")
                 content = msg.get("content") or {}
                 if kind in ("display_data", "update_display_data"):
-                    meta: dict[str, Any] = copy.deepcopy(content.get("metadata") or {})
+                    meta = content.get("metadata") or {}
                     if kind == "update_display_data":
-                        meta.setdefault("themisto", {})["update"] = True
+                        meta = dict(meta) if isinstance(meta, dict) else {}
+                        mine = meta.get("themisto")
+                        meta["themisto"] = {
+                            **(mine if isinstance(mine, dict) else {}),
+                            "update": True,
+                        }
                     self.outputs.append(
                         {
                             "output_type": "display_data",
-                            "data": dict(content.get("data") or {}),
+                            "data": content.get("data"),
                             "metadata": meta,
                         }
                     )
@@ -179,8 +185,8 @@ class OutputCapture:
                     # Recorded as what a notebook would keep: the outputs shown so far vanish.
                     if not content.get("wait"):
                         self.outputs.clear()
-        except Exception:
-            pass
+        except Exception as e:
+            self._lost_output(e)
         return msg
 
     def _result_hook(self, msg: Any) -> Any:
@@ -191,13 +197,19 @@ class OutputCapture:
                     {
                         "output_type": "execute_result",
                         "execution_count": content.get("execution_count"),
-                        "data": dict(content.get("data") or {}),
-                        "metadata": copy.deepcopy(content.get("metadata") or {}),
+                        "data": content.get("data"),
+                        "metadata": content.get("metadata") or {},
                     }
                 )
+        except Exception as e:
+            self._lost_output(e)
+        return msg
+
+    def _lost_output(self, error: BaseException) -> None:
+        try:
+            self.outputs.append(unrecorded_output(None, error))
         except Exception:
             pass
-        return msg
 
 
 def drain_fd_pipes(budget: float = 0.02) -> None:
@@ -252,16 +264,18 @@ def error_output(shell: Any, execution_count: int | None, exc: BaseException) ->
     }
 
 
-def _pack(obj: Any) -> str:
-    """JSON text of `obj` as jupyter_client's session packs a message (json_packer)."""
+def _pack(obj: Any) -> bytes:
+    """The bytes jupyter_client's session sends for `obj` (its json_packer, without the
+    warning its fallback emits: a warning here would reach the person's cell)."""
     from jupyter_client.jsonutil import json_clean, json_default
 
     try:
-        return json.dumps(obj, default=json_default, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(obj, default=json_default, ensure_ascii=False, allow_nan=False)
+        return text.encode("utf8", errors="surrogateescape")
     except (TypeError, ValueError):
-        # jupyter_client's own fallback (it warns; a warning here would reach the cell).
         clean = json_clean(obj)
-        return json.dumps(clean, default=json_default, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(clean, default=json_default, ensure_ascii=False, allow_nan=False)
+        return text.encode("utf8", errors="surrogateescape")
 
 
 def _reason(error: BaseException) -> str:
@@ -271,46 +285,38 @@ def _reason(error: BaseException) -> str:
 
 
 def wire_form(out: dict[str, Any]) -> dict[str, Any]:
-    """A display_data / execute_result dict as the frontend received it (see module doc)."""
+    """A display_data / execute_result dict as the frontend received it (see module doc).
+
+    An output that jupyter_client cannot pack never reached the frontend either (the kernel's
+    send failed the same way): it becomes a stub naming each value that could not be packed.
+    """
     try:
         wired = json.loads(_pack(out))
         if isinstance(wired, dict):
             return wired
-    except (TypeError, ValueError, RecursionError, OverflowError):
-        pass
-    # Value by value: keep what packs, name what does not.
-    result: dict[str, Any] = {k: v for k, v in out.items() if k not in ("data", "metadata")}
-    try:
-        result = json.loads(_pack(result))
-    except (TypeError, ValueError, RecursionError, OverflowError):
-        result = {"output_type": out.get("output_type", "display_data")}
-    data: dict[str, Any] = {}
-    unrecorded: dict[str, str] = {}
-    raw_data = out.get("data")
-    items = list(raw_data.items()) if isinstance(raw_data, dict) else []
-    if not isinstance(raw_data, dict):
-        unrecorded["data"] = f"not a MIME bundle: {type(raw_data).__name__}"
-    for mime, value in items:
-        try:
-            data[str(mime)] = json.loads(_pack(value))
-        except (TypeError, ValueError, RecursionError, OverflowError) as e:
-            unrecorded[str(mime)] = _reason(e)
-    try:
-        metadata = json.loads(_pack(out.get("metadata") or {}))
-        if not isinstance(metadata, dict):
-            metadata = {}
-    except (TypeError, ValueError, RecursionError, OverflowError) as e:
-        metadata = {}
-        unrecorded["metadata"] = _reason(e)
-    if not data:
-        reasons = "; ".join(f"{k}: {v}" for k, v in unrecorded.items()) or "empty"
-        data = {"text/plain": UNRECORDED_MARKER.format(reason=reasons)}
-    metadata.setdefault("themisto", {})
-    if isinstance(metadata["themisto"], dict):
-        metadata["themisto"]["unrecorded"] = unrecorded
-    result["data"] = data
-    result["metadata"] = metadata
-    return result
+        raise ValueError(f"not a mapping: {type(wired).__name__}")
+    except (TypeError, ValueError, RecursionError, OverflowError) as whole:
+        unrecorded: dict[str, str] = {}
+        data = out.get("data")
+        parts = dict(data) if isinstance(data, dict) else {"data": data}
+        parts["metadata"] = out.get("metadata")
+        for key, value in parts.items():
+            try:
+                _pack(value)
+            except (TypeError, ValueError, RecursionError, OverflowError) as e:
+                unrecorded[str(key)] = _reason(e)
+        if not unrecorded:
+            unrecorded["output"] = _reason(whole)
+        reasons = "; ".join(f"{k}: {v}" for k, v in unrecorded.items())
+        stub: dict[str, Any] = {
+            "output_type": out.get("output_type", "display_data"),
+            "data": {"text/plain": UNRECORDED_MARKER.format(reason=reasons)},
+            "metadata": {"themisto": {"unrecorded": unrecorded}},
+        }
+        if stub["output_type"] == "execute_result":
+            count = out.get("execution_count")
+            stub["execution_count"] = count if isinstance(count, int) else None
+        return stub
 
 
 def unrecorded_output(out: Any, error: BaseException) -> dict[str, Any]:
@@ -457,16 +463,8 @@ def _bound_bundle(
             out[mime], c = _truncate(text, max_output_bytes)
             cut = cut or c
             size += len(out[mime])
-        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            text = "".join(value)
-            text = scrub(text) if scrub else text
-            out[mime], c = _truncate(text, max_output_bytes)
-            cut = cut or c
-            size += len(out[mime])
         else:
-            # JSON MIME values (application/json, widget state...): bound by serialized size.
-            import json
-
+            # JSON values (application/json, widget state, lists...): bound by serialized size.
             try:
                 encoded_json = json.dumps(value, default=str)
             except Exception:

@@ -442,6 +442,8 @@ class ThemistoRecorder(LoggingConfigurable):
             source = redact_source(source, self.secret_pattern)
         if scrub:
             source = scrub(source)
+        # Text a database can hold (a lone surrogate would make the row unwritable).
+        source = source.encode("utf-8", "replace").decode("utf-8")
         snapshot_status = "pending" if self.snapshots.will_snapshot() else "off"
         record: dict[str, Any] = {
             "cell_id": current["cell_id"],
