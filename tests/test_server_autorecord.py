@@ -228,3 +228,33 @@ async def test_a_kernel_started_without_a_session_records(jp_fetch, jp_ws_fetch,
     assert traj["notebook_path"] is None
     store.close()
     await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+async def test_lost_executions_are_served_and_predicted_on(jp_fetch, store_path):
+    store = TrajectoryStore(store_path)
+    tid = store.create_trajectory(notebook_path="gaps.ipynb", kernel_id="k-gaps")
+    store.add_execution(tid, {"source": "a = 1", "status": "ok", "snapshot_status": "off"})
+    store.add_execution(
+        tid,
+        {
+            "source": "b = a + 1",
+            "status": "lost",
+            "detail": "the execution could not be written: OperationalError: database is full",
+            "wall_time": 0.01,
+        },
+    )
+    store.add_execution(tid, {"source": "print(b)", "status": "ok", "outputs": []})
+    store.close()
+    r = await jp_fetch("themisto", "trajectories", tid, "executions")
+    rows = json.loads(r.body)
+    rows = rows.get("executions", rows) if isinstance(rows, dict) else rows
+    assert [e["status"] for e in rows] == ["ok", "lost", "ok"]
+    assert "database is full" in rows[1]["detail"]
+    r = await jp_fetch(
+        "themisto",
+        "predict",
+        "next-cell",
+        method="POST",
+        body=json.dumps({"trajectory_id": tid, "backend": "retrieval"}),
+    )
+    assert r.code == 200 and "event: done" in r.body.decode()

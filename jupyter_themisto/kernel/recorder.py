@@ -126,6 +126,13 @@ class ThemistoRecorder(LoggingConfigurable):
         "the last snapshot is older than this (seconds).",
     ).tag(config=True)
 
+    store_busy_seconds = Float(
+        10.0,
+        help="Seconds a write waits for a store locked by another process before the execution "
+        "counts as lost; lost executions are written later, as status 'lost' in their place, "
+        "once the store takes writes again.",
+    ).tag(config=True)
+
     @default("enabled")
     def _enabled_default(self) -> bool:
         return os.environ.get(RECORD_ENV, "1").strip() != "0"
@@ -184,7 +191,9 @@ class ThemistoRecorder(LoggingConfigurable):
             return
         from .writer import RecordWriter
 
-        self.writer = RecordWriter(self._open_store, report=self._report)
+        self.writer = RecordWriter(
+            self._open_store, report=self._report, locked_retry_seconds=self.store_busy_seconds
+        )
         events = self.shell.events
         events.register("pre_execute", self.pre_execute)
         events.register("pre_run_cell", self.pre_run_cell)
