@@ -168,6 +168,8 @@ class ThemistoRecorder(LoggingConfigurable):
         # to the writer thread, and a fork when one is taken right away).
         self.deferred_seconds: deque[float] = deque(maxlen=100_000)
         self._pending: dict[str, Any] | None = None
+        # (pattern, last namespace name read, secret-named names): see _secret_values.
+        self._secret_scan: tuple[str, Any, set[str]] = ("", None, set())
         self._handler_patch: tuple[Any, Any, Any] | None = None
         from .snapshot import SnapshotManager
 
@@ -265,6 +267,7 @@ class ThemistoRecorder(LoggingConfigurable):
         self.snapshots.exiting = True
         self.flush_pending()
         self.snapshots.take_due()
+        self.snapshots.flush_coalesced()
         if self.writer is not None:
             self.writer.wait_idle(self.exit_wait_seconds)
             self.writer.close(timeout=self.exit_wait_seconds)
@@ -491,12 +494,34 @@ class ThemistoRecorder(LoggingConfigurable):
 
     def _secret_values(self) -> list[str]:
         """String values of secret-named variables, to scrub from recorded text."""
-        regex = compile_pattern(self.secret_pattern)
+        ns = self.shell.user_ns
+        pattern = self.secret_pattern
+        if self._secret_scan[0] != pattern:
+            self._secret_scan = (pattern, None, set())
+        _, tail, names = self._secret_scan
+        # New names are appended to the namespace dict: read back to the last name seen
+        # (IPython adds a few per cell), not the whole namespace, which grows every cell.
+        fresh: list[str] = []
+        complete = True
+        for name in reversed(ns):
+            if tail is not None and name == tail:
+                complete = False
+                break
+            fresh.append(name)
+        if complete:
+            names = set()
+        regex = compile_pattern(pattern)
+        for name in fresh:
+            if isinstance(name, str) and not name.startswith("_") and regex.search(name):
+                names.add(name)
+        self._secret_scan = (pattern, next(reversed(ns), None), names)
         found = []
-        for name, value in list(self.shell.user_ns.items()):
-            if isinstance(value, (str, bytes)) and not name.startswith("_") and regex.search(name):
-                text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-                found.append(text)
+        for name in names:
+            value = ns.get(name)
+            if isinstance(value, (str, bytes)):
+                found.append(
+                    value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+                )
         return found
 
     # -- status ------------------------------------------------------------------------------
@@ -506,6 +531,7 @@ class ThemistoRecorder(LoggingConfigurable):
         themisto record`, benchmarks, `%themisto status`); True once the writer is idle."""
         self.flush_pending()
         self.snapshots.take_due()
+        self.snapshots.flush_coalesced()
         return self.writer.wait_idle(timeout) if self.writer is not None else True
 
     def timings(self) -> dict[str, list[float]]:

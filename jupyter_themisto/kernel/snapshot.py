@@ -684,6 +684,7 @@ class SnapshotManager:
         self.base_order: int | None = None
         self.base_bindings: dict[str, int] | None = None
         self.sources_since: list[str] = []
+        self._coalesced: list[int] = []
         self.last_taken = 0.0
         #: how many executions went which way (`%themisto status`, benchmarks)
         self.counts: dict[str, int] = {}
@@ -742,9 +743,18 @@ class SnapshotManager:
         if order is None:
             return
         self._count("coalesced")
-        self._write_status(
-            order, "coalesced", "a later cell started before the snapshot (it holds the state)"
-        )
+        # Noted in batches (one statement at the next snapshot), not one write per cell.
+        self._coalesced.append(order)
+        if len(self._coalesced) >= 64:
+            self.flush_coalesced()
+
+    def flush_coalesced(self) -> None:
+        orders, self._coalesced = self._coalesced, []
+        r = self.recorder
+        tid = r.trajectory_id
+        if not orders or tid is None or r.writer is None:
+            return
+        r.writer.submit(lambda store: store.mark_pending_snapshots(tid, orders, "coalesced"))
 
     def _cancel_timer(self) -> None:
         timer, self._timer = self._timer, None
@@ -770,6 +780,7 @@ class SnapshotManager:
 
     def _take(self, order: int) -> None:
         r = self.recorder
+        self.flush_coalesced()
         variables = list(user_variables(r.shell))
         current = {name: id(value) for name, value in variables}
         if self.base_bindings is not None and current == self.base_bindings:
@@ -1040,6 +1051,7 @@ class SnapshotManager:
     def close(self) -> None:
         # Running children finish on their own; they hold nothing of the kernel's.
         self._cancel_timer()
+        self.flush_coalesced()
         self.unfreeze_if_idle()
 
 

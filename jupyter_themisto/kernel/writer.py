@@ -1,9 +1,13 @@
-"""RecordWriter: the kernel's one store connection, on a thread, so that no cell waits for a write.
+"""RecordWriter: the recorder's writes, in order, without ever making a cell wait on the store.
 
-The recorder hands each finished execution (and each snapshot status it decides in the
-kernel) to this thread, which turns the captured outputs into bounded nbformat dicts, stores
-images as blobs and writes the row. Writes happen in the order they were handed over, on one
-connection kept for the kernel's life (snapshot children open their own).
+The recorder hands over each finished execution (and each snapshot note it decides) just after
+the kernel's reply. When nothing is waiting before it, the write happens right there, on the
+kernel's thread, with a connection that never waits for a lock (a few tenths of a millisecond:
+outputs turned into bounded nbformat dicts, images stored as blobs, the row); a write that
+fails or would wait goes to a background thread, and so does everything after it until that
+thread has caught up. (A thread for every write would cost more: while it holds the GIL, the
+next cell's own I/O waits for it.) Both use one connection each, kept for the kernel's life
+(snapshot children open their own).
 
 An execution that cannot be written — the disk is full, the file read-only or broken, the
 database locked past `locked_retry_seconds` — is kept in memory (at most `max_lost`, without
@@ -12,8 +16,8 @@ own place in the order, as soon as the store takes writes again (tried before ev
 write and every `retry_seconds` while idle). A trajectory whose store could not be opened at
 all is created then too.
 
-`fork_lock` is held around every call into SQLite: the kernel takes it to fork, so that no
-child inherits SQLite's internal mutexes half-held by this thread.
+`fork_lock` is held around every call the thread makes into SQLite: the kernel takes it to
+fork, so that no child inherits SQLite's internal mutexes half-held by the thread.
 """
 
 from __future__ import annotations
@@ -69,17 +73,45 @@ class RecordWriter:
         self.written = 0
         self.failures = 0
         self.last_error: str | None = None
-        # Seconds this thread spent per execution (outputs, blobs, the row), for benchmarks.
+        # Seconds spent per execution (outputs, blobs, the row), for benchmarks.
         self.write_seconds: deque[float] = deque(maxlen=100_000)
         self._idle = threading.Event()
         self._idle.set()
+        self._direct_threads: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="themisto-writer", daemon=True)
         self._thread.start()
 
     # -- the kernel's side -------------------------------------------------------------------
 
+    def _direct(self) -> Any:
+        """The store, when a write may happen on the calling thread now: nothing is queued
+        before it and the store is open (else None)."""
+        if (
+            self.store is None
+            or threading.current_thread() is self._thread
+            or not self._idle.is_set()
+            or not self._queue.empty()
+            or self.lost
+            or self._trajectories
+        ):
+            return None
+        if threading.get_ident() not in self._direct_threads:
+            try:
+                self.store.set_busy_timeout(0)  # never wait on this thread: hand over instead
+            except Exception:
+                return None
+            self._direct_threads.add(threading.get_ident())
+        return self.store
+
     def submit(self, job: Callable[[Any], Any], *, kind: str = "call") -> None:
-        """Run `job(store)` on the writer thread, after everything submitted before it."""
+        """Run `job(store)` after everything submitted before it (here if nothing waits)."""
+        store = self._direct()
+        if store is not None:
+            try:
+                job(store)
+                return
+            except Exception:
+                pass  # the thread tries again (jobs are idempotent)
         self._idle.clear()
         self._queue.put((kind, job))
 
@@ -96,8 +128,19 @@ class RecordWriter:
         *,
         fallback: dict[str, Any],
     ) -> None:
-        """Write an execution; `prepare(put_blob)` builds its record on this thread (outputs,
-        blobs). `fallback` is what a `lost` row keeps if the write fails."""
+        """Write an execution; `prepare(put_blob)` builds its record (outputs, blobs).
+        `fallback` is what a `lost` row keeps if the write fails."""
+        store = self._direct()
+        if store is not None:
+            started = time.perf_counter()
+            try:
+                record = prepare(store.put_blob)
+                store.add_execution(trajectory_id, record, order_index=order_index)
+                self.written += 1
+                self.write_seconds.append(time.perf_counter() - started)
+                return
+            except Exception:
+                pass  # locked, full, broken...: the thread retries, or keeps it as lost
         self._idle.clear()
         self._queue.put(("execution", (trajectory_id, order_index, prepare, fallback)))
 

@@ -137,6 +137,10 @@ class TrajectoryStore:
             raise
         conn.execute("COMMIT")
 
+    def set_busy_timeout(self, seconds: float) -> None:
+        """How long this thread's connection waits for another writer's lock (0: not at all)."""
+        self._conn().execute(f"PRAGMA busy_timeout = {max(0, int(seconds * 1000))}")
+
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._pid == os.getpid():
@@ -248,19 +252,23 @@ class TrajectoryStore:
         values["outputs"] = json.dumps(values.get("outputs") or [], allow_nan=False)
         values.setdefault("snapshot_status", "none")
         cols = list(values)
+        insert = (
+            f"INSERT INTO executions (trajectory_id, order_index, {', '.join(cols)})"
+            f" VALUES (?, ?, {', '.join('?' for _ in cols)})"
+        )
+        if order_index is not None:
+            # One statement is its own transaction: no BEGIN/COMMIT round trips (the recorder
+            # writes one of these after every cell).
+            if self.readonly:
+                raise StoreError(f"the trajectory store {self.path} was opened read-only")
+            cur = self._conn().execute(insert, (trajectory_id, order_index, *values.values()))
+            return int(cur.lastrowid)  # type: ignore[arg-type]
         with self._write() as conn:
-            order = order_index
-            if order is None:
-                order = conn.execute(
-                    "SELECT coalesce(max(order_index) + 1, 0) FROM executions"
-                    " WHERE trajectory_id = ?",
-                    (trajectory_id,),
-                ).fetchone()[0]
-            cur = conn.execute(
-                f"INSERT INTO executions (trajectory_id, order_index, {', '.join(cols)})"
-                f" VALUES (?, ?, {', '.join('?' for _ in cols)})",
-                (trajectory_id, order, *values.values()),
-            )
+            order = conn.execute(
+                "SELECT coalesce(max(order_index) + 1, 0) FROM executions WHERE trajectory_id = ?",
+                (trajectory_id,),
+            ).fetchone()[0]
+            cur = conn.execute(insert, (trajectory_id, order, *values.values()))
             return int(cur.lastrowid)  # type: ignore[arg-type]
 
     def execution_id(self, trajectory_id: str, order_index: int) -> int | None:
@@ -310,6 +318,25 @@ class TrajectoryStore:
             .execute("SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,))
             .fetchone()[0]
         )
+
+    def mark_pending_snapshots(
+        self, trajectory_id: str, order_indexes: Iterable[int], status: str
+    ) -> int:
+        """Set the snapshot status of those of the executions whose snapshot is still pending
+        (e.g. 'coalesced'); returns how many changed."""
+        if status not in SNAPSHOT_STATUSES:
+            raise ValueError(f"snapshot status must be one of {SNAPSHOT_STATUSES}")
+        orders = [int(o) for o in order_indexes]
+        if not orders:
+            return 0
+        with self._write() as conn:
+            marks = ",".join("?" * len(orders))
+            cur = conn.execute(
+                "UPDATE executions SET snapshot_status = ? WHERE trajectory_id = ?"
+                f" AND snapshot_status = 'pending' AND order_index IN ({marks})",
+                (status, trajectory_id, *orders),
+            )
+            return int(cur.rowcount)
 
     def set_snapshot_status(self, execution_id: int, status: str) -> None:
         with self._write() as conn:
