@@ -162,15 +162,18 @@ def run_notebook(
     env["THEMISTO_NOTEBOOK_PATH"] = str(nb_path)
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     extra = ["--ext=jupyter_themisto"] if mode == "on" else []
+    kishu_nb = run_dir / nb_path.name
     if mode == "kishu":
+        # Kishu keeps its checkpoints beside the notebook: a copy here, never in the checkout.
+        shutil.copy(nb_path, kishu_nb)
         env["KISHU_PATH_ROOT"] = str(run_dir)
-        env["TEST_NOTEBOOK_PATH"] = str(nb_path)
+        env["TEST_NOTEBOOK_PATH"] = str(kishu_nb)
         env["ENV_KISHU_TEST_MODE"] = "true"  # no frontend here: skip its notebook saving
     kernel = Kernel(env, extra, str(nb_path.parent))
     result: dict[str, Any] = {"cells": len(cells)}
     try:
         if mode == "kishu":
-            setup = kernel.send(f"from kishu import init_kishu\ninit_kishu({str(nb_path)!r})")
+            setup = kernel.send(f"from kishu import init_kishu\ninit_kishu({str(kishu_nb)!r})")
             content = kernel.reply(setup)["content"]
             kernel.idle(setup)
             if content["status"] != "ok":

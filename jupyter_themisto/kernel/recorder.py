@@ -121,7 +121,7 @@ class ThemistoRecorder(LoggingConfigurable):
         "snapshot's place: the earlier execution's snapshot is 'coalesced' (0: at once).",
     ).tag(config=True)
     snapshot_max_deferral = Float(
-        5.0,
+        10.0,
         help="While cells keep coming back to back, still snapshot right after a reply when "
         "the last snapshot is older than this (seconds).",
     ).tag(config=True)
