@@ -30,7 +30,8 @@ Figures only; nothing is asserted.
 
 Without notebooks it runs benchmarks/notebooks/*.ipynb; `--corpus` runs the benchmark corpus
 (benchmarks/corpus.json, materialized by benchmarks/corpus.py), optionally only notebooks whose
-key contains one of the FILTER words, the first `--limit` of them; `--kishu-limit N` runs Kishu
+key contains one of the FILTER words, every `--every`-th of them, the first `--limit` of
+them; `--kishu-limit N` runs Kishu
 on the first N notebooks only (it is slow: about a second per cell). Each notebook runs with
 its own folder as working directory (notebooks read files beside them).
 """
@@ -231,6 +232,7 @@ def select_notebooks(args: argparse.Namespace) -> list[Path]:
             key = corpus.notebook_key(path)
             if not args.corpus or any(f in key for f in args.corpus):
                 found.append(Path(path))
+        found = found[:: args.every]
         return found[: args.limit] if args.limit else found
     paths = args.notebooks or sorted((HERE / "notebooks").glob("*.ipynb"))
     return paths[: args.limit] if args.limit else paths
@@ -241,6 +243,7 @@ def main() -> None:
     parser.add_argument("notebooks", nargs="*", type=Path)
     parser.add_argument("--corpus", nargs="*", metavar="FILTER", help="run the corpus")
     parser.add_argument("--limit", type=int, default=0, help="only the first N notebooks")
+    parser.add_argument("--every", type=int, default=1, help="corpus: every K-th notebook")
     parser.add_argument("--modes", default="off,on,kishu")
     parser.add_argument("--kishu-limit", type=int, default=0, help="Kishu on the first N only")
     parser.add_argument("--send", default="sequential,all")
