@@ -78,6 +78,7 @@ class RecordWriter:
         self._idle = threading.Event()
         self._idle.set()
         self._direct_threads: set[int] = set()
+        self._owner = threading.get_ident()
         self._thread = threading.Thread(target=self._run, name="themisto-writer", daemon=True)
         self._thread.start()
 
@@ -88,7 +89,9 @@ class RecordWriter:
         before it and the store is open (else None)."""
         if (
             self.store is None
-            or threading.current_thread() is self._thread
+            # Only the kernel's own thread (the one that forks) writes directly: another
+            # thread inside SQLite at a fork would leave the child SQLite's mutexes held.
+            or threading.get_ident() != self._owner
             or not self._idle.is_set()
             or not self._queue.empty()
             or self.lost
