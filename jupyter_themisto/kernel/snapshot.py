@@ -22,24 +22,37 @@ Per variable, in this order:
 6. the bytes go to the blob store under their sha256 (stored once however many steps reuse
    them); `changed` says whether the hash differs from the previous snapshot's.
 
-Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
-stubs or summaries), `skipped` (fork mode, `max_snapshot_children` children still running
-after waiting `snapshot_slot_wait` seconds (default 0): this execution is not snapshotted,
-`detail` says so — skipping rather than queueing, because a queued snapshot would capture a
-later namespace than the execution it belongs to; the wait happens after the kernel's reply,
-so only a cell sent meanwhile waits for it), `failed`
-(the child crashed or ran past `max_snapshot_seconds`; `detail` says which).
+5b. a variable without a cheap fingerprint that could not be serialized last time (too slow,
+   too large, refused) and whose identity fingerprint (type, id, size, attributes' identities)
+   is unchanged -> the previous stub again, not tried again (`changed = false`);
 
-Fork mode (default on Linux/macOS): after the execution row is written, the kernel closes its
-own store connection, calls `gc.freeze()` (the kernel's collections then do not touch the
-child's copy-on-write pages) and forks. The child ignores SIGINT, leaves the kernel's process
-group (ipykernel terminates that group's processes at shutdown; a snapshot should outlive the
-kernel by the moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its
-priority (nice 19), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's
-output into the person's cell), disables gc (a collected file object would flush), serializes
-and writes with its own store connection, and leaves with `os._exit`. The kernel reaps
-children without blocking at the start and end of each cell and unfreezes gc when none is
-left.
+When (SnapshotManager): the snapshot of an execution is due once the row is handed to the
+writer, and taken after `snapshot_delay` seconds of idleness; a cell that starts first takes
+its place (the earlier execution is `coalesced`, noted in batches), except that one is taken
+right after the reply when the last is older than `snapshot_max_deferral`. A silent request
+(no cell hooks) takes a due snapshot before it runs. Before forking, the kernel compares the
+namespace's bindings with those of the last snapshot and parses the cells run since
+(kernel/changes.py): when nothing can have changed, the execution is `unchanged` (`same_as`
+the execution whose snapshot holds the namespace) and no child is made.
+
+Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
+stubs or summaries), `unchanged`, `coalesced`, `skipped` (fork mode, `max_snapshot_children`
+children still running after waiting `snapshot_slot_wait` seconds (default 0): this execution
+is not snapshotted, `detail` says so — skipping rather than queueing, because a queued
+snapshot would capture a later namespace than the execution it belongs to), `failed` (the
+child died, was killed or ran past `max_snapshot_seconds`; `detail` says which).
+
+Fork mode (default on Linux/macOS): the kernel takes the writer's fork lock (its background
+thread is then outside SQLite), calls `gc.freeze()` (the kernel's collections then do not touch
+the child's copy-on-write pages) and forks; its own store connection stays open (the child
+never touches it). The child ignores SIGINT, leaves the kernel's process group (ipykernel
+terminates that group's processes at shutdown; a snapshot should outlive the kernel by the
+moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its priority
+(nice 19), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's output into the
+person's cell), disables gc (a collected file object would flush), opens its own connection,
+waits for the execution's row if the writer has not written it yet, serializes and writes, and
+leaves with `os._exit`. A thread per child (waiting on a pidfd) reaps it and marks its snapshot
+`failed` with the reason if it died without writing one; gc is unfrozen once none is left.
 """
 
 from __future__ import annotations
