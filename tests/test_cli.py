@@ -150,6 +150,34 @@ def test_record_stops_at_an_error_without_allow_errors(tmp_path):
     ]
 
 
+def test_record_runs_each_notebook_in_its_own_folder(tmp_path):
+    """Notebooks read the data files beside them by relative path: each runs with its own
+    folder as the working directory, wherever `record` is started and however it is named."""
+    for name, text in (("a", "alpha"), ("b", "beta")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data.txt").write_text(text)
+        write_notebook(
+            tmp_path / name / "nb.ipynb",
+            ["import os\nprint(os.getcwd())", "print(open('data.txt').read())"],
+        )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = tmp_path / "s.sqlite"
+    # One notebook named relative to the working directory, one absolute.
+    r = cli("record", "../a/nb.ipynb", str(tmp_path / "b" / "nb.ipynb"), store=store, cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    store_ = TrajectoryStore(store, readonly=True)
+    seen = {}
+    for t in store_.list_trajectories():
+        outs = [outputs_to_text(e["outputs"]) for e in store_.list_executions(t["id"])]
+        seen[Path(t["notebook_path"]).parent.name] = outs
+    assert seen == {
+        "a": [f"{tmp_path.resolve() / 'a'}\n", "alpha\n"],
+        "b": [f"{tmp_path.resolve() / 'b'}\n", "beta\n"],
+    }
+    assert not (elsewhere / "data.txt").exists() and list(elsewhere.iterdir()) == []
+
+
 def test_export_jsonl_field_by_field(recorded, dump):
     store = _store(recorded)
     df = pd.read_json(dump / "executions.jsonl", lines=True, dtype=False)

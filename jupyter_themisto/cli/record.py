@@ -172,7 +172,10 @@ def record_notebook(
     kwargs: dict[str, Any] = {"timeout": timeout, "allow_errors": allow_errors}
     if kernel:
         kwargs["kernel_name"] = kernel
-    client = NotebookClient(nb, resources={"metadata": {"path": str(path.parent)}}, **kwargs)
+    # The kernel runs in the notebook's own folder, as Jupyter runs it, so relative paths to
+    # the data files beside a notebook work wherever `record` was started from.
+    folder = str(path.resolve().parent)
+    client = NotebookClient(nb, resources={"metadata": {"path": folder}}, **kwargs)
     env = dict(os.environ)
     env["THEMISTO_STORE"] = str(store)
     env["THEMISTO_NOTEBOOK_PATH"] = str(path.resolve())
