@@ -366,8 +366,16 @@ def test_store_that_cannot_be_opened_at_load(tmp_path):
         status = k.run("%themisto status").of("stream")[0]["text"]
         assert "store: None" in status
         assert int(status.split("errors: ")[1].split()[0]) >= 1
+        # The folder can be made now: the trajectory starts, with what ran before as 'lost'.
+        blocker.unlink()
+        after = k.run("x = 1")
+        rows = k.executions()
     finally:
         k.shutdown()
+    assert [r["msg_id"] for r in rows][0] == done.msg_id and rows[-1]["msg_id"] == after.msg_id
+    assert [r["status"] for r in rows] == ["lost", "lost", "ok"]
+    assert rows[0]["source"] == "print('still works')\n6 * 7"
+    assert "cannot open the trajectory store" in rows[0]["detail"]
 
 
 def test_executions_while_the_store_is_locked_come_back_as_lost_rows(tmp_path):
