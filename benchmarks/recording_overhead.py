@@ -249,13 +249,23 @@ def main() -> None:
     parser.add_argument("--send", default="sequential,all")
     parser.add_argument("--think", type=float, default=0.0, help="seconds before each cell")
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument(
+        "--json", type=Path, help="write the raw figures here (after each notebook)"
+    )
+    parser.add_argument(
+        "--report", type=Path, metavar="JSON", help="only print the report of a saved --json"
+    )
     args = parser.parse_args()
-    notebooks = select_notebooks(args)
     modes = args.modes.split(",")
     sends = args.send.split(",")
     if "off" not in modes:
         parser.error("the 'off' mode is the baseline and must be included")
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        for send in sends:
+            report(saved, modes, send)
+        return
+    notebooks = select_notebooks(args)
     workdir = Path(tempfile.mkdtemp(prefix="themisto-bench-"))
     raw: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     started = time.time()
@@ -283,10 +293,10 @@ def main() -> None:
                             file=sys.stderr,
                             flush=True,
                         )
+            if args.json:
+                args.json.write_text(json.dumps(raw, default=str))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=1, default=str))
     print(
         f"\n{len(notebooks)} notebooks; think {args.think:g} s; repeats {args.repeat}; "
         f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at end "
