@@ -30,8 +30,8 @@ Figures only; nothing is asserted.
 
 Without notebooks it runs benchmarks/notebooks/*.ipynb; `--corpus` runs the benchmark corpus
 (benchmarks/corpus.json, materialized by benchmarks/corpus.py), optionally only notebooks whose
-key contains one of the FILTER words, every `--every`-th of them, the first `--limit` of
-them; `--kishu-limit N` runs Kishu
+key contains one of the FILTER words, every `--every`-th of them from the `--start`-th, the
+first `--limit` of them; `--kishu-limit N` runs Kishu
 on the first N notebooks only (it is slow: about a second per cell). Each notebook runs with
 its own folder as working directory (notebooks read files beside them).
 """
@@ -232,7 +232,7 @@ def select_notebooks(args: argparse.Namespace) -> list[Path]:
             key = corpus.notebook_key(path)
             if not args.corpus or any(f in key for f in args.corpus):
                 found.append(Path(path))
-        found = found[:: args.every]
+        found = found[args.start :: args.every]
         return found[: args.limit] if args.limit else found
     paths = args.notebooks or sorted((HERE / "notebooks").glob("*.ipynb"))
     return paths[: args.limit] if args.limit else paths
@@ -244,6 +244,7 @@ def main() -> None:
     parser.add_argument("--corpus", nargs="*", metavar="FILTER", help="run the corpus")
     parser.add_argument("--limit", type=int, default=0, help="only the first N notebooks")
     parser.add_argument("--every", type=int, default=1, help="corpus: every K-th notebook")
+    parser.add_argument("--start", type=int, default=0, help="corpus: from the N-th notebook")
     parser.add_argument("--modes", default="off,on,kishu")
     parser.add_argument("--kishu-limit", type=int, default=0, help="Kishu on the first N only")
     parser.add_argument("--send", default="sequential,all")
@@ -253,7 +254,11 @@ def main() -> None:
         "--json", type=Path, help="write the raw figures here (after each notebook)"
     )
     parser.add_argument(
-        "--report", type=Path, metavar="JSON", help="only print the report of a saved --json"
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="only print the report of saved --json runs (merged)",
     )
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -261,7 +266,9 @@ def main() -> None:
     if "off" not in modes:
         parser.error("the 'off' mode is the baseline and must be included")
     if args.report:
-        saved = json.loads(args.report.read_text())
+        saved: dict[str, Any] = {}
+        for path in args.report:
+            saved.update(json.loads(path.read_text()))
         for send in sends:
             report(saved, modes, send)
         return
