@@ -265,8 +265,8 @@ def test_sigkill_mid_cell_leaves_store_intact(tmp_path):
     rows = store.list_executions(traj["id"])
     assert len(rows) == 6
     assert [r["outputs"][0]["text"] for r in rows[:5]] == [f"{i}\n" for i in range(5)]
-    # Snapshots may be skipped when cells come faster than children finish; none is torn.
-    assert {r["snapshot_status"] for r in rows} <= {"ok", "partial", "skipped"}
+    # Cells sent back to back share snapshots (coalesced); none is torn.
+    assert {r["snapshot_status"] for r in rows} <= {"ok", "partial", "skipped", "coalesced"}
     assert rows[-1]["snapshot_status"] in ("ok", "partial")
 
 
@@ -301,6 +301,8 @@ def test_unwritable_store_never_breaks_cells(tmp_path):
         # The recorder did fail (and said so in the kernel's log, not in the cells).
         status = k.run("%themisto status").of("stream")[0]["text"]
         assert int(status.split("errors: ")[1].split()[0]) >= len(cells)
+        # Kept, to be written as 'lost' executions once the store takes writes again.
+        assert int(status.split("lost_waiting: ")[1].split()[0]) >= len(cells)
         # The kernel is alive and its state intact.
         assert k.run("40 + 2").of("execute_result")[0]["data"]["text/plain"] == "42"
     finally:
@@ -364,5 +366,80 @@ def test_store_that_cannot_be_opened_at_load(tmp_path):
         status = k.run("%themisto status").of("stream")[0]["text"]
         assert "store: None" in status
         assert int(status.split("errors: ")[1].split()[0]) >= 1
+        # The folder can be made now: the trajectory starts, with what ran before as 'lost'.
+        blocker.unlink()
+        after = k.run("x = 1")
+        rows = k.executions()
     finally:
         k.shutdown()
+    assert [r["msg_id"] for r in rows][0] == done.msg_id and rows[-1]["msg_id"] == after.msg_id
+    assert [r["status"] for r in rows] == ["lost", "lost", "ok"]
+    assert rows[0]["source"] == "print('still works')\n6 * 7"
+    assert "cannot open the trajectory store" in rows[0]["detail"]
+
+
+def test_executions_while_the_store_is_locked_come_back_as_lost_rows(tmp_path):
+    path = tmp_path / "locked.sqlite"
+    k = RecordingKernel(path, ["--ThemistoRecorder.store_busy_seconds=0.3"])
+    try:
+        before = k.run("a = 1")
+        k.settle()
+        # Another process holds the write lock (readers still read: WAL).
+        blocker = sqlite3.connect(path, timeout=0, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        blocker.execute("CREATE TABLE squatter (x)")
+        held = [k.run(f"print('held {i}')\nb{i} = {i}") for i in range(3)]
+        # The person sees everything as usual.
+        assert [h.of("stream")[0]["text"] for h in held] == [f"held {i}\n" for i in range(3)]
+        status = k.run("%themisto status").of("stream")[0]["text"]
+        assert int(status.split("lost_waiting: ")[1].split()[0]) >= 3
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        # No new cell needed: the writer tries again while idle.
+        deadline = time.monotonic() + 60
+        while True:
+            with TrajectoryStore(path, readonly=True) as store:
+                (traj,) = store.list_trajectories()
+                rows = store.list_executions(traj["id"])
+            if len(rows) >= 5 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        after = k.run("c = 3")
+        rows = k.executions()
+    finally:
+        k.shutdown()
+    # Every execution has its row, in the order they ran; the held ones say what happened.
+    assert [r["msg_id"] for r in rows] == [
+        before.msg_id,
+        *(h.msg_id for h in held),
+        rows[4]["msg_id"],  # the %themisto status cell
+        after.msg_id,
+    ]
+    assert [r["order_index"] for r in rows] == list(range(6))
+    lost = rows[1:4]
+    assert {r["status"] for r in lost} == {"lost"}
+    assert all("locked" in r["detail"] for r in lost)
+    assert [r["source"] for r in lost] == [f"print('held {i}')\nb{i} = {i}" for i in range(3)]
+    assert all(r["outputs"] == [] and r["wall_time"] > 0 for r in lost)
+    assert rows[0]["status"] == rows[-1]["status"] == "ok"
+    # The export carries them.
+    out = tmp_path / "dump"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_themisto.cli",
+            "--store",
+            str(path),
+            "export",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    exported = [json.loads(line) for line in (out / "executions.jsonl").read_text().splitlines()]
+    assert [e["status"] for e in exported][1:4] == ["lost"] * 3
+    assert "locked" in exported[1]["detail"]

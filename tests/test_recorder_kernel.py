@@ -16,6 +16,9 @@ from jupyter_client.manager import KernelManager
 from jupyter_themisto.store import TrajectoryStore
 
 NOTEBOOK = "analysis/notebook.ipynb"
+SETTLE = (
+    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().settle(60)"
+)
 
 
 @dataclass
@@ -72,7 +75,7 @@ class RecordingKernel:
             kind = msg["msg_type"]
             if kind == "status" and msg["content"]["execution_state"] == "idle":
                 break
-            if kind in ("stream", "display_data", "execute_result", "error"):
+            if kind in ("stream", "display_data", "update_display_data", "execute_result", "error"):
                 outputs.append((kind, msg["content"]))
         while True:
             reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
@@ -88,10 +91,11 @@ class RecordingKernel:
     def settle(self) -> None:
         """Wait until the recorder has written what it deferred past the last reply.
 
-        The recorder writes just after the kernel replies (on the kernel's event loop); a
-        silent request (which the recorder does not record) is handled after that work.
+        The recorder hands each execution to its writer thread just after the kernel replies
+        and snapshots a moment later; a silent request (which the recorder does not record)
+        takes a snapshot still due first, and `settle()` waits for the writer.
         """
-        msg_id = self.kc.execute("", silent=True, store_history=False)
+        msg_id = self.kc.execute(SETTLE, silent=True, store_history=False)
         while self.kc.get_shell_msg(timeout=60)["parent_header"].get("msg_id") != msg_id:
             pass
 

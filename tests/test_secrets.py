@@ -219,10 +219,11 @@ async def test_planted_secrets_leak_nowhere(
 ORDINARY = [
     # What tutorials do with keys and tokens: none of these values is a secret.
     "d = {'key1': 'value1', 'species': 'setosa'}\nfor key in d:\n    print(key, d[key])",
-    "sort_key = 'sepal_length'\ntokens = 'the quick brown fox'.split()\nbos_token = '<|endoftext|>'",
+    "sort_key = 'sepal_length'\ntokens = 'the quick brown fox'.split()\n"
+    "bos_token = '<|endoftext|>'",
     "print(sort_key, bos_token, d['key1'])",
     # A real one among them is still followed.
-    "os = __import__('os')\nos.environ['SERVICE_TOKEN'] = 'svc-planted-0007'\nx = 'svc-planted-0007'",
+    "import os\nos.environ['SERVICE_TOKEN'] = 'svc-planted-0007'\nx = 'svc-planted-0007'",
 ]
 
 

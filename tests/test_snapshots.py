@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import sqlite3
 
 import numpy as np
@@ -199,7 +201,11 @@ def test_a_variable_too_slow_to_serialize_is_summarized(kernel):
 
 
 def test_child_bound_skips_then_waits_when_configured(tmp_path):
-    k = RecordingKernel(tmp_path / "bound.sqlite", ["--ThemistoRecorder.max_snapshot_children=1"])
+    # Each execution snapshots right after its reply (no coalescing of back-to-back cells).
+    k = RecordingKernel(
+        tmp_path / "bound.sqlite",
+        ["--ThemistoRecorder.max_snapshot_children=1", "--ThemistoRecorder.snapshot_delay=0"],
+    )
     try:
         slow = k.run(
             "import time\n"
@@ -222,3 +228,145 @@ def test_child_bound_skips_then_waits_when_configured(tmp_path):
             assert k.wait_snapshot(done.msg_id)["snapshot_status"] == "ok"
     finally:
         k.shutdown()
+
+
+def _recorder_value(k, expr):
+    """Evaluate an expression about the kernel's recorder (a silent request)."""
+    code = "(_r := __import__('jupyter_themisto.kernel', fromlist=['x']).get_recorder())"
+    msg_id = k.kc.execute("", silent=True, store_history=False, user_expressions={"v": code + expr})
+    while True:
+        reply = k.kc.get_shell_msg(timeout=60)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            value = reply["content"]["user_expressions"]["v"]
+            assert value["status"] == "ok", value
+            return eval(value["data"]["text/plain"])  # noqa: S307 - our own expression's repr
+
+
+def test_cells_sent_at_once_share_one_snapshot(kernel):
+    kernel.run("ready = 1")
+    kernel.settle()
+    # As "Run All" does: every request is queued before the first reply.
+    ids = [kernel.send(f"batch_{i} = {i}") for i in range(6)]
+    for msg_id in ids:
+        kernel.collect(msg_id)
+    rows = [kernel.wait_snapshot(msg_id) for msg_id in ids]
+    statuses = [r["snapshot_status"] for r in rows]
+    # The last one is snapshotted; the others (all but perhaps the first, if its reply found
+    # the kernel idle) gave way to it.
+    assert statuses[-1] in ("ok", "partial"), statuses
+    assert statuses[1:-1].count("coalesced") == 4, statuses
+    with kernel.store() as store:
+        names = {v["name"] for v in store.get_variables(rows[-1]["id"])}
+    assert {f"batch_{i}" for i in range(6)} <= names
+
+
+def test_a_cell_that_only_reads_takes_no_fork(kernel):
+    first = kernel.run("seen = [1, 2, 3]\nlabel = 'x'")
+    kernel.wait_snapshot(first.msg_id)
+    forks = _recorder_value(kernel, ".snapshots.counts.get('fork', 0)")
+    rows = [
+        kernel.wait_snapshot(kernel.run(code).msg_id)
+        for code in ("print(len(seen), label.upper())", "seen")
+    ]
+    assert [r["snapshot_status"] for r in rows] == ["unchanged", "unchanged"]
+    assert _recorder_value(kernel, ".snapshots.counts.get('fork', 0)") == forks
+    with kernel.store() as store:
+        snap = store.get_snapshot(rows[1]["id"])
+        assert snap["same_as"] == kernel.execution(first.msg_id)["id"]
+        v = {x["name"]: x for x in store.get_variables(rows[1]["id"])}
+    # The variables are those of the execution it is the same as, unchanged.
+    assert v["seen"]["summary"]["repr"] == "[1, 2, 3]" and v["seen"]["changed"] is False
+    # A change in place (no new binding) is seen, and snapshotted.
+    changed = kernel.run("seen.append(4)")
+    row = kernel.wait_snapshot(changed.msg_id)
+    assert row["snapshot_status"] in ("ok", "partial")
+    v = kernel.variables(changed.msg_id)
+    assert v["seen"]["summary"]["repr"] == "[1, 2, 3, 4]" and v["seen"]["changed"] is True
+
+
+def test_a_killed_snapshot_child_marks_its_snapshot_failed(tmp_path):
+    k = RecordingKernel(tmp_path / "killed.sqlite", ["--ThemistoRecorder.max_variable_seconds=120"])
+    try:
+        done = k.run(
+            "import time\n"
+            "class Sleepy:\n"
+            "    def __reduce__(self):\n"
+            "        time.sleep(60)\n"
+            "        return (Sleepy, ())\n"
+            "sleepy = Sleepy()"
+        )
+        k.settle()  # the snapshot child is running now
+        (pid,) = _recorder_value(k, ".snapshots.children and list(_r.snapshots.children)")
+        assert k.execution(done.msg_id)["snapshot_status"] == "pending"
+        os.kill(pid, signal.SIGKILL)
+        row = k.wait_snapshot(done.msg_id, timeout=30)
+        assert row["snapshot_status"] == "failed"
+        with k.store() as store:
+            assert "SIGKILL" in store.get_snapshot(row["id"])["detail"]
+        assert _recorder_value(k, ".snapshots.running()") == 0
+    finally:
+        k.shutdown()
+
+
+def test_an_expensive_variable_is_not_retried_until_it_changes(tmp_path):
+    calls = tmp_path / "reduce-calls.txt"
+    k = RecordingKernel(
+        tmp_path / "expensive.sqlite",
+        ["--ThemistoRecorder.max_variable_seconds=0.5", "--ThemistoRecorder.snapshot_delay=0"],
+    )
+    try:
+        first = k.run(
+            "import time\n"
+            "class Slow:\n"
+            "    def __reduce__(self):\n"
+            f"        open({str(calls)!r}, 'a').write('x')\n"
+            "        time.sleep(3)\n"
+            "        return (Slow, ())\n"
+            "slow = Slow()"
+        )
+        v = k.variables(first.msg_id)
+        assert v["slow"]["stub_reason"].startswith("too slow")
+        steps = [k.run(f"step = {i}") for i in range(3)]
+        for step in steps:
+            v = k.variables(step.msg_id)
+            assert v["slow"]["stub_reason"].startswith("too slow")
+            assert v["slow"]["changed"] is False
+        # Serialized once, not once per snapshot.
+        assert calls.read_text() == "x"
+        # Changed (a new attribute): tried again.
+        again = k.run("slow.extra = 1")
+        assert k.variables(again.msg_id)["slow"]["stub_reason"].startswith("too slow")
+        assert calls.read_text() == "xx"
+    finally:
+        k.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("code", "changes"),
+    [
+        ("print(len(items), df.head())", False),
+        ("df.describe()\nplt.show()", False),
+        ("x", False),
+        ("items.append(1)", True),
+        ("df['a'] = 1", True),
+        ("df.obj = 2", True),
+        ("arr += 1", True),
+        ("del items[0]", True),
+        ("df.dropna(inplace=True)", True),
+        ("model.fit(X)", True),
+        ("sorted(items, key=helper)", True),
+        ("list(map(lambda v: v, items))", True),
+        ("helper()", True),
+        ("get_ipython().run_line_magic('who', '')", True),
+        ("def f(:", True),
+    ],
+)
+def test_which_cells_may_change_the_namespace(code, changes):
+    from jupyter_themisto.kernel.changes import may_change
+
+    def helper():
+        return None
+
+    helper.__module__ = "__main__"
+    ns = {"items": [1], "df": object(), "helper": helper, "len": len}
+    assert may_change(code, ns) is changes

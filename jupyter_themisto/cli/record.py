@@ -26,10 +26,7 @@ _SET_MODE = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
     ".get_recorder().snapshot_mode = {mode!r}"
 )
-_FLUSH = (
-    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
-    ".flush_pending()"
-)
+_FLUSH = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().settle()"
 _RUNNING = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
     ".get_recorder().snapshots.running()"

@@ -15,7 +15,7 @@ __all__ = ["ThemistoRecorder", "get_recorder", "load_ipython_extension", "unload
 # One recorder per shell; kept here, not in the person's namespace.
 _RECORDERS: dict[int, ThemistoRecorder] = {}
 # A reload (%reload_ext) continues the kernel session's trajectory rather than starting one.
-_TRAJECTORIES: dict[int, str] = {}
+_TRAJECTORIES: dict[int, tuple[str, int]] = {}
 
 
 def get_recorder(shell: Any = None) -> ThemistoRecorder | None:
@@ -34,7 +34,8 @@ def load_ipython_extension(ipython: Any) -> None:
     recorder = _RECORDERS.get(id(ipython))
     if recorder is None:
         recorder = ThemistoRecorder(ipython)
-        recorder.trajectory_id = _TRAJECTORIES.get(id(ipython))
+        if id(ipython) in _TRAJECTORIES:
+            recorder.trajectory_id, recorder.next_order = _TRAJECTORIES[id(ipython)]
         _RECORDERS[id(ipython)] = recorder
         # Lets `%config ThemistoRecorder.snapshot_mode = "inline"` reach it.
         configurables = getattr(ipython, "configurables", None)
@@ -51,7 +52,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     if recorder is not None:
         recorder.unregister()
         if recorder.trajectory_id is not None:
-            _TRAJECTORIES[id(ipython)] = recorder.trajectory_id
+            _TRAJECTORIES[id(ipython)] = (recorder.trajectory_id, recorder.next_order)
         configurables = getattr(ipython, "configurables", None)
         if isinstance(configurables, list) and recorder in configurables:
             configurables.remove(recorder)

@@ -18,6 +18,14 @@ marker `TRUNCATION_MARKER`; the execution's inline total is bounded by `max_exec
 (further outputs are replaced by one stream output saying how many were omitted). Outputs
 that were cut carry `metadata.themisto.truncated = true`.
 
+Every display_data / execute_result is recorded in its wire form: packed exactly as
+jupyter_client packs the message the frontend receives (bytes as base64 — IPython's PNG/JPEG/PDF
+formatters return bytes —, numpy numbers as JSON numbers, NaN/inf as their repr, non-string keys
+as strings, tuples and sets as lists) and read back. An output that cannot be packed (an object
+JSON cannot hold, a key collision, nesting too deep) never reached the frontend either: it is
+recorded as a `text/plain` stub saying why, with the offending MIME keys and reasons in
+`metadata.themisto.unrecorded`. Only that output: the execution is recorded either way.
+
 Binary payloads (base64 MIME values such as image/png, image/jpeg, application/pdf) larger than
 `blob_threshold` bytes are stored in the trajectory store's blob table (the decoded bytes,
 content-addressed) and the MIME value in the output dict is replaced by a reference::
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import copy
+import json
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,6 +52,7 @@ OMITTED_MARKER = (
     "[themisto: {count} more outputs omitted ({size} bytes), over the execution bound]\n"
 )
 BLOB_KEY = "themisto_blob"
+UNRECORDED_MARKER = "[themisto: this output was not recorded: {reason}]"
 
 # MIME types whose values are base64 text of binary data in Jupyter messages.
 _TEXT_MIME_PREFIXES = ("text/",)
@@ -150,18 +159,25 @@ class OutputCapture:
             self.outputs.append({"output_type": "stream", "name": name, "_parts": [text]})
 
     def _display_hook(self, msg: Any) -> Any:
+        # Only references are kept here (no copy on the person's time): the writer thread packs
+        # them into their wire form just after the reply.
         try:
             if self.active and isinstance(msg, dict):
                 kind = msg.get("msg_type") or msg.get("header", {}).get("msg_type")
                 content = msg.get("content") or {}
                 if kind in ("display_data", "update_display_data"):
-                    meta: dict[str, Any] = copy.deepcopy(content.get("metadata") or {})
+                    meta = content.get("metadata") or {}
                     if kind == "update_display_data":
-                        meta.setdefault("themisto", {})["update"] = True
+                        meta = dict(meta) if isinstance(meta, dict) else {}
+                        mine = meta.get("themisto")
+                        meta["themisto"] = {
+                            **(mine if isinstance(mine, dict) else {}),
+                            "update": True,
+                        }
                     self.outputs.append(
                         {
                             "output_type": "display_data",
-                            "data": dict(content.get("data") or {}),
+                            "data": content.get("data"),
                             "metadata": meta,
                         }
                     )
@@ -169,8 +185,8 @@ class OutputCapture:
                     # Recorded as what a notebook would keep: the outputs shown so far vanish.
                     if not content.get("wait"):
                         self.outputs.clear()
-        except Exception:
-            pass
+        except Exception as e:
+            self._lost_output(e)
         return msg
 
     def _result_hook(self, msg: Any) -> Any:
@@ -181,13 +197,19 @@ class OutputCapture:
                     {
                         "output_type": "execute_result",
                         "execution_count": content.get("execution_count"),
-                        "data": dict(content.get("data") or {}),
-                        "metadata": copy.deepcopy(content.get("metadata") or {}),
+                        "data": content.get("data"),
+                        "metadata": content.get("metadata") or {},
                     }
                 )
+        except Exception as e:
+            self._lost_output(e)
+        return msg
+
+    def _lost_output(self, error: BaseException) -> None:
+        try:
+            self.outputs.append(unrecorded_output(None, error))
         except Exception:
             pass
-        return msg
 
 
 def drain_fd_pipes(budget: float = 0.02) -> None:
@@ -242,6 +264,73 @@ def error_output(shell: Any, execution_count: int | None, exc: BaseException) ->
     }
 
 
+def _pack(obj: Any) -> bytes:
+    """The bytes jupyter_client's session sends for `obj` (its json_packer, without the
+    warning its fallback emits: a warning here would reach the person's cell)."""
+    from jupyter_client.jsonutil import json_clean, json_default
+
+    try:
+        text = json.dumps(obj, default=json_default, ensure_ascii=False, allow_nan=False)
+        return text.encode("utf8", errors="surrogateescape")
+    except (TypeError, ValueError):
+        clean = json_clean(obj)
+        text = json.dumps(clean, default=json_default, ensure_ascii=False, allow_nan=False)
+        return text.encode("utf8", errors="surrogateescape")
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply to encode as JSON"
+    return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def wire_form(out: dict[str, Any]) -> dict[str, Any]:
+    """A display_data / execute_result dict as the frontend received it (see module doc).
+
+    An output that jupyter_client cannot pack never reached the frontend either (the kernel's
+    send failed the same way): it becomes a stub naming each value that could not be packed.
+    """
+    try:
+        wired = json.loads(_pack(out))
+        if isinstance(wired, dict):
+            return wired
+        raise ValueError(f"not a mapping: {type(wired).__name__}")
+    except (TypeError, ValueError, RecursionError, OverflowError) as whole:
+        unrecorded: dict[str, str] = {}
+        data = out.get("data")
+        parts = dict(data) if isinstance(data, dict) else {"data": data}
+        parts["metadata"] = out.get("metadata")
+        for key, value in parts.items():
+            try:
+                _pack(value)
+            except (TypeError, ValueError, RecursionError, OverflowError) as e:
+                unrecorded[str(key)] = _reason(e)
+        if not unrecorded:
+            unrecorded["output"] = _reason(whole)
+        reasons = "; ".join(f"{k}: {v}" for k, v in unrecorded.items())
+        stub: dict[str, Any] = {
+            "output_type": out.get("output_type", "display_data"),
+            "data": {"text/plain": UNRECORDED_MARKER.format(reason=reasons)},
+            "metadata": {"themisto": {"unrecorded": unrecorded}},
+        }
+        if stub["output_type"] == "execute_result":
+            count = out.get("execution_count")
+            stub["execution_count"] = count if isinstance(count, int) else None
+        return stub
+
+
+def unrecorded_output(out: Any, error: BaseException) -> dict[str, Any]:
+    """The stub that stands for an output that could not be recorded at all."""
+    kind = out.get("output_type") if isinstance(out, dict) else None
+    reason = _reason(error)
+    stub: dict[str, Any] = {
+        "output_type": "display_data",
+        "data": {"text/plain": UNRECORDED_MARKER.format(reason=reason)},
+        "metadata": {"themisto": {"unrecorded": {str(kind or "output"): reason}}},
+    }
+    return stub
+
+
 def finalize_outputs(
     raw: Iterable[dict[str, Any]],
     *,
@@ -257,34 +346,19 @@ def finalize_outputs(
     total = 0
     omitted_count = 0
     omitted_size = 0
-    for out in raw:
-        out = dict(out)
-        if out.get("output_type") == "stream" and "_parts" in out:
-            out["text"] = "".join(out.pop("_parts"))
-        cut = False
-        if out.get("output_type") == "stream":
-            text = scrub(out["text"]) if scrub else out["text"]
-            out["text"], cut = _truncate(text, max_output_bytes)
-            size = len(out["text"].encode("utf-8", "replace"))
-        elif out.get("output_type") == "error":
-            size = 0
-            if scrub:
-                out["evalue"] = scrub(out.get("evalue", ""))
-                out["traceback"] = [scrub(t) for t in out.get("traceback", [])]
-            for i, line in enumerate(out.get("traceback", [])):
-                out["traceback"][i], c = _truncate(line, max_output_bytes)
-                cut = cut or c
-                size += len(out["traceback"][i])
-        else:
-            data, size, cut = _bound_bundle(
-                out.get("data") or {},
+    for original in raw:
+        try:
+            out, size, cut = _finalize_one(
+                original,
                 max_output_bytes=max_output_bytes,
                 blob_threshold=blob_threshold,
                 max_blob_bytes=max_blob_bytes,
                 put_blob=put_blob,
                 scrub=scrub,
             )
-            out["data"] = data
+        except Exception as e:  # one output's trouble never costs the others
+            out = unrecorded_output(original, e)
+            size, cut = len(out["data"]["text/plain"]), False
         if total + size > max_execution_bytes:
             omitted_count += 1
             omitted_size += size
@@ -305,6 +379,48 @@ def finalize_outputs(
             }
         )
     return result
+
+
+def _finalize_one(
+    original: dict[str, Any],
+    *,
+    max_output_bytes: int,
+    blob_threshold: int,
+    max_blob_bytes: int,
+    put_blob: Callable[[bytes], str] | None,
+    scrub: Callable[[str], str] | None,
+) -> tuple[dict[str, Any], int, bool]:
+    """One output: wire form, scrubbed, bounded; returns it, its size, whether it was cut."""
+    out = dict(original)
+    if out.get("output_type") == "stream" and "_parts" in out:
+        out["text"] = "".join(out.pop("_parts"))
+    elif out.get("output_type") in ("display_data", "execute_result"):
+        out = wire_form(out)
+    cut = False
+    if out.get("output_type") == "stream":
+        text = scrub(out["text"]) if scrub else out["text"]
+        out["text"], cut = _truncate(text, max_output_bytes)
+        size = len(out["text"].encode("utf-8", "replace"))
+    elif out.get("output_type") == "error":
+        size = 0
+        if scrub:
+            out["evalue"] = scrub(out.get("evalue", ""))
+            out["traceback"] = [scrub(t) for t in out.get("traceback", [])]
+        for i, line in enumerate(out.get("traceback", [])):
+            out["traceback"][i], c = _truncate(line, max_output_bytes)
+            cut = cut or c
+            size += len(out["traceback"][i])
+    else:
+        data, size, cut = _bound_bundle(
+            out.get("data") or {},
+            max_output_bytes=max_output_bytes,
+            blob_threshold=blob_threshold,
+            max_blob_bytes=max_blob_bytes,
+            put_blob=put_blob,
+            scrub=scrub,
+        )
+        out["data"] = data
+    return out, size, cut
 
 
 def _truncate(text: str, limit: int) -> tuple[str, bool]:
@@ -347,16 +463,8 @@ def _bound_bundle(
             out[mime], c = _truncate(text, max_output_bytes)
             cut = cut or c
             size += len(out[mime])
-        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            text = "".join(value)
-            text = scrub(text) if scrub else text
-            out[mime], c = _truncate(text, max_output_bytes)
-            cut = cut or c
-            size += len(out[mime])
         else:
-            # JSON MIME values (application/json, widget state...): bound by serialized size.
-            import json
-
+            # JSON values (application/json, widget state, lists...): bound by serialized size.
             try:
                 encoded_json = json.dumps(value, default=str)
             except Exception:
@@ -376,9 +484,14 @@ def _offload(
 ) -> dict[str, Any] | None:
     if put_blob is None:
         return None
+    compact = "".join(value.split())
     try:
-        raw = base64.b64decode(value, validate=False)
+        raw = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
+        return None
+    # Only canonical base64 is offloaded: resolving the reference must give the value back
+    # (a custom application/* type may carry text that merely decodes).
+    if base64.b64encode(raw).decode("ascii") != compact:
         return None
     if len(raw) > max_blob_bytes:
         return None

@@ -17,7 +17,9 @@ import atexit
 import os
 import sys
 import time
+import uuid
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from traitlets import Bool, Enum, Float, Int, Unicode, default, validate
@@ -28,8 +30,10 @@ from . import resources
 from .outputs import OutputCapture, drain_fd_pipes, error_output, finalize_outputs
 
 NOTEBOOK_PATH_ENV = "THEMISTO_NOTEBOOK_PATH"
-# Seconds between attempts to reopen a store that could not be opened.
-_STORE_RETRY = 10.0
+# Set by the server for the kernels it launches: "0" when the notebook opts out of recording.
+RECORD_ENV = "THEMISTO_RECORD"
+# Set by the server: its root directory, to turn JPY_SESSION_NAME into the notebook's API path.
+SERVER_ROOT_ENV = "THEMISTO_SERVER_ROOT"
 
 
 def _default_snapshot_mode() -> str:
@@ -39,9 +43,11 @@ def _default_snapshot_mode() -> str:
 class ThemistoRecorder(LoggingConfigurable):
     """Records each execution (source, outputs, status, time, memory, snapshot) to the store."""
 
-    enabled = Bool(True, help="Record executions (the %themisto on/off magic toggles it).").tag(
-        config=True
-    )
+    enabled = Bool(
+        help="Record executions (the %themisto on/off magic toggles it). Default: on, unless "
+        "the environment variable THEMISTO_RECORD is 0 (the server sets it for a notebook "
+        'whose metadata says "themisto": {"record": false}).'
+    ).tag(config=True)
     store_path = Unicode(
         "",
         help="Trajectory store file; empty: $THEMISTO_STORE, else the Jupyter data directory.",
@@ -95,10 +101,9 @@ class ThemistoRecorder(LoggingConfigurable):
     )
     secret_pattern = Unicode(
         DEFAULT_SECRET_PATTERN,
-        help="Case-insensitive regex: variables (and dict keys, environment variables) whose "
-        "name matches are stored without value or repr, string literals assigned to them are "
-        "redacted from the recorded source, and their values are followed: scrubbed from every "
-        "recorded source and output, and any variable holding one is stored as a stub.",
+        help="Case-insensitive regex: variables whose name matches are stored without value "
+        "or repr, string literals assigned to them are redacted from the recorded source, and "
+        "their string values are scrubbed from recorded outputs.",
     ).tag(config=True)
     redact_source = Bool(
         True, help="Redact string literals assigned to secret names in the recorded source."
@@ -108,6 +113,29 @@ class ThemistoRecorder(LoggingConfigurable):
         help="Write the execution and start its snapshot just after the kernel has replied "
         "(the person does not wait for them); a cell sent meanwhile first completes them.",
     ).tag(config=True)
+
+    snapshot_delay = Float(
+        0.05,
+        help="Seconds the kernel stays idle after a reply before it snapshots the namespace; "
+        'a cell that starts meanwhile ("Run All", cells sent back to back) takes the '
+        "snapshot's place: the earlier execution's snapshot is 'coalesced' (0: at once).",
+    ).tag(config=True)
+    snapshot_max_deferral = Float(
+        10.0,
+        help="While cells keep coming back to back, still snapshot right after a reply when "
+        "the last snapshot is older than this (seconds).",
+    ).tag(config=True)
+
+    store_busy_seconds = Float(
+        10.0,
+        help="Seconds a write waits for a store locked by another process before the execution "
+        "counts as lost; lost executions are written later, as status 'lost' in their place, "
+        "once the store takes writes again.",
+    ).tag(config=True)
+
+    @default("enabled")
+    def _enabled_default(self) -> bool:
+        return os.environ.get(RECORD_ENV, "1").strip() != "0"
 
     @default("snapshot_mode")
     def _snapshot_mode_default(self) -> str:
@@ -124,52 +152,67 @@ class ThemistoRecorder(LoggingConfigurable):
         self.pid = os.getpid()
         self.capture = OutputCapture(shell)
         self.peak = resources.PeakTracker()
-        self.store: Any = None
+        self.writer: Any = None
         self.trajectory_id: str | None = None
-        self.last_execution_id: int | None = None
+        # The next execution's place in the trajectory (the recorder numbers them itself).
+        self.next_order = 0
+        self.last_order: int | None = None
         self.errors = 0
-        self._store_failed_at = 0.0
+        self.last_error: str | None = None
         self._current: dict[str, Any] | None = None
         self._registered = False
         # Seconds the person waited on the recorder per execution (pre + post hooks), for
         # benchmarks/recording_overhead.py and `%themisto status`.
         self.hook_seconds: deque[float] = deque(maxlen=100_000)
-        # Seconds of the work done after the reply (store write, fork), per execution.
+        # Seconds of kernel time spent after the reply per execution (handing the execution
+        # to the writer thread, and a fork when one is taken right away).
         self.deferred_seconds: deque[float] = deque(maxlen=100_000)
         self._pending: dict[str, Any] | None = None
-        self._handler_patch: tuple[Any, Any, Any] | None = None
-        # Where the last execution's post_run_cell time went (seconds by step).
-        self.last_timings: dict[str, float] = {}
         # The values known secret (plaintext in this process only; the store gets keyed hashes).
         self.secrets = KernelSecrets(self.secret_pattern)
+        self._handler_patch: tuple[Any, Any, Any] | None = None
         from .snapshot import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
+
+    @property
+    def store_file(self) -> Path:
+        from ..store import default_store_path
+
+        return Path(self.store_path).expanduser() if self.store_path else default_store_path()
+
+    @property
+    def store(self) -> Any:
+        """The writer thread's store (None until it could be opened)."""
+        return self.writer.store if self.writer is not None else None
 
     # -- registration ------------------------------------------------------------------------
 
     def register(self) -> None:
         if self._registered:
             return
+        from .writer import RecordWriter
+
+        self.writer = RecordWriter(
+            self._open_store, report=self._report, locked_retry_seconds=self.store_busy_seconds
+        )
         events = self.shell.events
+        events.register("pre_execute", self.pre_execute)
         events.register("pre_run_cell", self.pre_run_cell)
         events.register("post_run_cell", self.post_run_cell)
         self.capture.install_hooks()
         self._install_deferral()
         atexit.register(self._at_exit)
         self._registered = True
-        try:
-            if self._open_store() is not None:
-                self._ensure_trajectory()
-        except Exception as e:
-            # Retried at the first execution; loading must not fail the person's cell.
-            self._report("cannot start the trajectory", e)
+        if self.enabled:
+            self._ensure_trajectory()
 
     def unregister(self) -> None:
         if not self._registered:
             return
         events = self.shell.events
         for name, cb in (
+            ("pre_execute", self.pre_execute),
             ("pre_run_cell", self.pre_run_cell),
             ("post_run_cell", self.post_run_cell),
         ):
@@ -181,7 +224,9 @@ class ThemistoRecorder(LoggingConfigurable):
         self._remove_deferral()
         atexit.unregister(self._at_exit)
         self.flush_pending()
+        self.snapshots.take_due()
         self.snapshots.close()
+        self.writer.close(timeout=self.exit_wait_seconds + 5)
         self._registered = False
 
     def _install_deferral(self) -> None:
@@ -221,6 +266,11 @@ class ThemistoRecorder(LoggingConfigurable):
         # The last execution of a kernel shut down right after its reply: no fork at exit.
         self.snapshots.exiting = True
         self.flush_pending()
+        self.snapshots.take_due()
+        self.snapshots.flush_coalesced()
+        if self.writer is not None:
+            self.writer.wait_idle(self.exit_wait_seconds)
+            self.writer.close(timeout=self.exit_wait_seconds)
         self.snapshots.wait(self.exit_wait_seconds, hurry=True)
 
     def _keep_last(self) -> None:
@@ -233,43 +283,44 @@ class ThemistoRecorder(LoggingConfigurable):
 
     # -- the store ---------------------------------------------------------------------------
 
-    def _open_store(self) -> Any:
-        if self.store is not None:
-            return self.store
-        now = time.monotonic()
-        if self._store_failed_at and now - self._store_failed_at < _STORE_RETRY:
-            return None
-        try:
-            from ..store import TrajectoryStore
+    def _open_store(self, timeout: float) -> Any:
+        """Opened by the writer thread (retried by it while it fails)."""
+        from ..store import TrajectoryStore
 
-            self.store = TrajectoryStore(self.store_path or None)
-            self._store_failed_at = 0.0
-        except Exception as e:
-            self._store_failed_at = now
-            self._report("cannot open the trajectory store", e)
-        return self.store
+        return TrajectoryStore(self.store_file, timeout=timeout)
 
     def _ensure_trajectory(self) -> str | None:
-        if self.trajectory_id is not None:
+        if self.trajectory_id is not None or self.writer is None:
             return self.trajectory_id
-        store = self._open_store()
-        if store is None:
+        if not self.enabled:
             return None
         kernel = getattr(self.shell, "kernel", None)
         session = getattr(getattr(kernel, "session", None), "session", None)
-        self.trajectory_id = store.create_trajectory(
-            notebook_path=notebook_path(),
-            kernel_id=current_kernel_id(),
-            session_id=session,
-            python_version=resources.python_version(),
-            packages=resources.package_versions(),
-            host=resources.host_info(),
+        self.trajectory_id = uuid.uuid4().hex
+        self.next_order = 0
+        fields = {
+            "notebook_path": notebook_path(),
+            "kernel_id": current_kernel_id(),
+            "session_id": session,
+            "python_version": resources.python_version(),
+            "started_at": time.time(),
+        }
+        self.writer.create_trajectory(
+            self.trajectory_id,
+            lambda: {
+                **fields,
+                "packages": resources.package_versions(),
+                "host": resources.host_info(),
+            },
         )
-        self.log.info("themisto: recording to %s (trajectory %s)", store.path, self.trajectory_id)
+        self.log.info(
+            "themisto: recording to %s (trajectory %s)", self.store_file, self.trajectory_id
+        )
         return self.trajectory_id
 
     def _report(self, what: str, error: BaseException) -> None:
         self.errors += 1
+        self.last_error = f"{what}: {type(error).__name__}: {str(error)[:300]}"
         try:
             self.log.warning("themisto: %s: %s: %s", what, type(error).__name__, error)
         except Exception:
@@ -277,15 +328,31 @@ class ThemistoRecorder(LoggingConfigurable):
 
     # -- hooks -------------------------------------------------------------------------------
 
+    def pre_execute(self) -> None:
+        """Every execution, silent ones too: a silent one fires no cell hooks, so a snapshot
+        still due is taken before it can change the namespace."""
+        if self.snapshots.due is None or os.getpid() != self.pid:
+            return
+        try:
+            kernel = getattr(self.shell, "kernel", None)
+            parent = kernel.get_parent("shell") if kernel is not None else None
+            if (parent or {}).get("content", {}).get("silent"):
+                self.flush_pending()
+                self.snapshots.silent_request()
+        except BaseException as e:  # noqa: B036
+            self._report("pre_execute failed", e)
+
     def pre_run_cell(self, info: Any) -> None:
         entered = time.perf_counter()
         # The previous execution's deferred work must finish before this cell changes anything.
         self.flush_pending()
         try:
             self._current = None
-            if not self.enabled or os.getpid() != self.pid:
+            if os.getpid() != self.pid:
                 return
-            self.snapshots.reap()
+            self.snapshots.cell_starting()
+            if not self.enabled:
+                return
             self._keep_last()
             kernel = getattr(self.shell, "kernel", None)
             parent: dict[str, Any] = {}
@@ -346,18 +413,18 @@ class ThemistoRecorder(LoggingConfigurable):
             self.hook_seconds.append(current["pre_cost"] + time.perf_counter() - entered)
 
     def flush_pending(self) -> None:
-        """Write the last execution and start its snapshot, if not done yet."""
+        """Hand the last execution to the writer thread and schedule its snapshot."""
         pending, self._pending = self._pending, None
         if pending is None or os.getpid() != self.pid:
             return
         started = time.perf_counter()
         try:
-            self._record(**pending)
+            self._hand_over(**pending)
         except BaseException as e:  # noqa: B036
             self._report("recording the execution failed", e)
         self.deferred_seconds.append(time.perf_counter() - started)
 
-    def _record(
+    def _hand_over(
         self,
         current: dict[str, Any],
         result: Any,
@@ -377,75 +444,102 @@ class ThemistoRecorder(LoggingConfigurable):
             status = "error"
         if error is not None:
             raw_outputs = [*raw_outputs, error_output(self.shell, count, error)]
-        store = self._open_store()
-        if store is None or self._ensure_trajectory() is None:
+        if self._ensure_trajectory() is None:
             return
-        t0 = time.perf_counter()
+        # Learnt in the kernel (the namespace may change once the next cell runs).
         secrets = self.secrets
         secrets.pattern, secrets.output_limit = self.secret_pattern, self.max_output_bytes
-        secrets.load_digests(store)
         secrets.observe(self.shell.user_ns, current["source"])
-        outputs = finalize_outputs(
-            raw_outputs,
-            max_output_bytes=self.max_output_bytes,
-            max_execution_bytes=self.max_execution_output_bytes,
-            blob_threshold=self.blob_threshold_bytes,
-            max_blob_bytes=self.max_blob_bytes,
-            put_blob=store.put_blob,
-            scrub=secrets.scrub_output,
-        )
-        # Again as a whole: a value learnt from a later output, JSON outputs.
-        outputs = secrets.scrub_json(outputs)
         source = current["source"]
         if self.redact_source:
             source = redact_source(source, self.secret_pattern)
         source = secrets.scrub(source)
+        # Text a database can hold (a lone surrogate would make the row unwritable).
+        source = source.encode("utf-8", "replace").decode("utf-8")
         snapshot_status = "pending" if self.snapshots.will_snapshot() else "off"
-        t1 = time.perf_counter()
-        execution_id = store.add_execution(
-            self.trajectory_id,
-            {
-                "cell_id": current["cell_id"],
-                "msg_id": current["msg_id"],
-                "execution_count": count,
-                "source": source,
-                "outputs": outputs,
-                "status": status,
-                "started_at": current["started_at"],
-                "wall_time": wall,
-                "cpu_time": cpu,
-                "memory_before": current["memory_before"],
-                "memory_after": after,
-                "memory_peak": peak,
-                "snapshot_status": snapshot_status,
-            },
-        )
-        self.last_execution_id = execution_id
-        try:
-            # New secret values: their keyed hashes to the store, earlier rows scrubbed of them.
-            secrets.persist(store, self.trajectory_id)
-        except Exception as e:
-            self._report("recording secret digests failed", e)
-        t2 = time.perf_counter()
-        if snapshot_status == "pending":
-            self.snapshots.take(execution_id)
-        self.last_timings = {
-            "outputs": t1 - t0,
-            "store": t2 - t1,
-            "snapshot": time.perf_counter() - t2,
+        record: dict[str, Any] = {
+            "cell_id": current["cell_id"],
+            "msg_id": current["msg_id"],
+            "execution_count": count,
+            "source": source,
+            "status": status,
+            "started_at": current["started_at"],
+            "wall_time": wall,
+            "cpu_time": cpu,
+            "memory_before": current["memory_before"],
+            "memory_after": after,
+            "memory_peak": peak,
+            "snapshot_status": snapshot_status,
         }
+        limits = {
+            "max_output_bytes": self.max_output_bytes,
+            "max_execution_bytes": self.max_execution_output_bytes,
+            "blob_threshold": self.blob_threshold_bytes,
+            "max_blob_bytes": self.max_blob_bytes,
+        }
+
+        def prepare(put_blob: Any) -> dict[str, Any]:
+            # On the writer thread: wire form, bounds, blobs.
+            full = dict(record)
+            outputs = finalize_outputs(
+                raw_outputs, put_blob=put_blob, scrub=secrets.scrub_output, **limits
+            )
+            # Again as a whole: a value learnt from a later output, JSON outputs.
+            full["outputs"] = secrets.scrub_json(outputs)
+            return full
+
+        tid = self.trajectory_id
+
+        def persist_secrets(store: Any) -> None:
+            # New values: their keyed hashes to the store, earlier rows scrubbed of them.
+            try:
+                secrets.persist(store, tid)
+            except Exception as e:
+                self._report("recording secret digests failed", e)
+
+        order = self.next_order
+        self.next_order += 1
+        self.last_order = order
+        # Values other kernels recorded (by keyed hash) are followed too.
+        self.writer.submit(secrets.load_digests)
+        self.writer.add_execution(tid, order, prepare, fallback=record)
+        self.writer.submit(persist_secrets)
+        self.snapshots.execution_done(order, current["source"], wall)
 
     # -- status ------------------------------------------------------------------------------
 
+    def settle(self, timeout: float = 60.0) -> bool:
+        """Write everything recorded so far and take the due snapshot now (for `jupyter
+        themisto record`, benchmarks, `%themisto status`); True once the writer is idle."""
+        self.flush_pending()
+        self.snapshots.take_due()
+        self.snapshots.flush_coalesced()
+        return self.writer.wait_idle(timeout) if self.writer is not None else True
+
+    def timings(self) -> dict[str, list[float]]:
+        """Seconds per execution by step, for benchmarks/recording_overhead.py."""
+        return {
+            "hooks": list(self.hook_seconds),
+            "after_reply": list(self.deferred_seconds),
+            "fork": list(self.snapshots.fork_seconds),
+            "writer": list(self.writer.write_seconds) if self.writer is not None else [],
+        }
+
     def status(self) -> dict[str, Any]:
+        if self.writer is not None:
+            self.writer.wait_idle(2.0)
+        store = self.store
         return {
             "enabled": self.enabled,
-            "store": str(self.store.path) if self.store is not None else None,
+            "store": str(store.path) if store is not None else None,
             "trajectory_id": self.trajectory_id,
             "snapshot_mode": self.snapshot_mode,
-            "last_execution_id": self.last_execution_id,
+            "executions": self.next_order,
+            "snapshots": dict(sorted(self.snapshots.counts.items())),
             "snapshot_children": self.snapshots.running(),
+            "lost_waiting": len(self.writer.lost) if self.writer is not None else 0,
             "errors": self.errors,
+            "last_error": self.last_error or (self.writer.last_error if self.writer else None),
             "last_overhead_ms": round(self.hook_seconds[-1] * 1000, 3)
             if self.hook_seconds
             else None,
@@ -453,8 +547,21 @@ class ThemistoRecorder(LoggingConfigurable):
 
 
 def notebook_path() -> str | None:
-    """THEMISTO_NOTEBOOK_PATH (set by `jupyter themisto record`), else JPY_SESSION_NAME."""
-    return os.environ.get(NOTEBOOK_PATH_ENV) or os.environ.get("JPY_SESSION_NAME") or None
+    """THEMISTO_NOTEBOOK_PATH (set by `jupyter themisto record`), else JPY_SESSION_NAME (set by
+    Jupyter Server: the notebook's OS path), relative to THEMISTO_SERVER_ROOT when under it."""
+    explicit = os.environ.get(NOTEBOOK_PATH_ENV)
+    if explicit:
+        return explicit
+    session = os.environ.get("JPY_SESSION_NAME")
+    root = os.environ.get(SERVER_ROOT_ENV)
+    if session and root:
+        try:
+            rel = os.path.relpath(os.path.abspath(session), os.path.abspath(root))
+        except ValueError:
+            rel = os.pardir
+        if not rel.startswith(os.pardir):
+            return rel.replace(os.sep, "/")
+    return session or None
 
 
 def current_kernel_id() -> str | None:

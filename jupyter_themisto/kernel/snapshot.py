@@ -24,24 +24,37 @@ Per variable, in this order:
 6. the bytes go to the blob store under their sha256 (stored once however many steps reuse
    them); `changed` says whether the hash differs from the previous snapshot's.
 
-Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
-stubs or summaries), `skipped` (fork mode, `max_snapshot_children` children still running
-after waiting `snapshot_slot_wait` seconds (default 0): this execution is not snapshotted,
-`detail` says so — skipping rather than queueing, because a queued snapshot would capture a
-later namespace than the execution it belongs to; the wait happens after the kernel's reply,
-so only a cell sent meanwhile waits for it), `failed`
-(the child crashed or ran past `max_snapshot_seconds`; `detail` says which).
+5b. a variable without a cheap fingerprint that could not be serialized last time (too slow,
+   too large, refused) and whose identity fingerprint (type, id, size, attributes' identities)
+   is unchanged -> the previous stub again, not tried again (`changed = false`);
 
-Fork mode (default on Linux/macOS): after the execution row is written, the kernel closes its
-own store connection, calls `gc.freeze()` (the kernel's collections then do not touch the
-child's copy-on-write pages) and forks. The child ignores SIGINT, leaves the kernel's process
-group (ipykernel terminates that group's processes at shutdown; a snapshot should outlive the
-kernel by the moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its
-priority (nice 19), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's
-output into the person's cell), disables gc (a collected file object would flush), serializes
-and writes with its own store connection, and leaves with `os._exit`. The kernel reaps
-children without blocking at the start and end of each cell and unfreezes gc when none is
-left.
+When (SnapshotManager): the snapshot of an execution is due once the row is handed to the
+writer, and taken after `snapshot_delay` seconds of idleness; a cell that starts first takes
+its place (the earlier execution is `coalesced`, noted in batches), except that one is taken
+right after the reply when the last is older than `snapshot_max_deferral`. A silent request
+(no cell hooks) takes a due snapshot before it runs. Before forking, the kernel compares the
+namespace's bindings with those of the last snapshot and parses the cells run since
+(kernel/changes.py): when nothing can have changed, the execution is `unchanged` (`same_as`
+the execution whose snapshot holds the namespace) and no child is made.
+
+Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
+stubs or summaries), `unchanged`, `coalesced`, `skipped` (fork mode, `max_snapshot_children`
+children still running after waiting `snapshot_slot_wait` seconds (default 0): this execution
+is not snapshotted, `detail` says so — skipping rather than queueing, because a queued
+snapshot would capture a later namespace than the execution it belongs to), `failed` (the
+child died, was killed or ran past `max_snapshot_seconds`; `detail` says which).
+
+Fork mode (default on Linux/macOS): the kernel takes the writer's fork lock (its background
+thread is then outside SQLite), calls `gc.freeze()` (the kernel's collections then do not touch
+the child's copy-on-write pages) and forks; its own store connection stays open (the child
+never touches it). The child ignores SIGINT, leaves the kernel's process group (ipykernel
+terminates that group's processes at shutdown; a snapshot should outlive the kernel by the
+moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its priority
+(nice 19), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's output into the
+person's cell), disables gc (a collected file object would flush), opens its own connection,
+waits for the execution's row if the writer has not written it yet, serializes and writes, and
+leaves with `os._exit`. A thread per child (waiting on a pidfd) reaps it and marks its snapshot
+`failed` with the reason if it died without writing one; gc is unfrozen once none is left.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ import threading
 import time
 import types
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +80,7 @@ from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_var
 # Exit codes of the snapshot child.
 _CHILD_OK = 0
 _CHILD_FAILED = 3
+_CHILD_NO_ROW = 4  # the execution was never written (lost): nothing to attach a snapshot to
 _CHILD_NICE = 19
 
 _SMALL_CONTAINER = 1000
@@ -450,6 +465,33 @@ def _arrow_fingerprint(col: Any, xxhash: Any) -> str | None:
     return h.hexdigest()
 
 
+# Stub reasons worth remembering: trying again costs the same and fails the same way.
+_EXPENSIVE = ("too slow", "too large", "unpicklable")
+
+
+def identity_fingerprint(value: Any) -> str:
+    """A cheap guess that an object is unchanged: its type, identity and size, the identities of
+    its attributes (or of a container's first and last items). For objects that a snapshot
+    could not serialize (too slow, too large, refused): they are not tried again while this
+    stays the same."""
+    parts = [type_name(value), str(id(value))]
+    try:
+        parts.append(str(sys.getsizeof(value)))
+        if isinstance(value, (list, tuple, dict, set, frozenset, str, bytes, bytearray)):
+            parts.append(str(len(value)))
+            if isinstance(value, (list, tuple)):
+                ends = [*value[:8], *value[-8:]]
+                parts.append(",".join(str(id(v)) for v in ends))
+            elif isinstance(value, dict):
+                parts.append(",".join(f"{id(k)}:{id(v)}" for k, v in list(value.items())[:16]))
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict) and len(attrs) <= 1000:
+            parts.append(",".join(f"{k}:{id(v)}" for k, v in attrs.items()))
+    except Exception:
+        pass
+    return "ident:" + _xxh3("|".join(parts).encode("utf-8", "surrogatepass"))
+
+
 def _secret_key_in(value: Any, pattern: str | None) -> str | None:
     """A secret-named string key of a mapping (one level deep: `{"db": {"password": ..}}`)."""
     if not isinstance(value, dict) or len(value) > 10 * _SMALL_CONTAINER:
@@ -551,9 +593,26 @@ class SnapshotWriter:
             return rec
         fp = fingerprint(value)
         rec["fingerprint"] = fp
-        same_type = prev is not None and prev.get("type") == rec["type"]
-        reuse = same_type and prev is not None and not self.recheck
-        if fp is not None and reuse and prev is not None and prev.get("fingerprint") == fp:
+        # Nothing is reused unseen once a value was learnt secret since the last snapshot.
+        same_type = prev is not None and prev.get("type") == rec["type"] and not self.recheck
+        ident = identity_fingerprint(value) if fp is None else None
+        if (
+            ident is not None
+            and same_type
+            and prev is not None
+            and prev.get("fingerprint") == ident
+            and str(prev.get("stub_reason") or "").startswith(_EXPENSIVE)
+        ):
+            # Failed last time and looks the same: remembered, not tried again.
+            rec.update(
+                summary=dict(prev.get("summary") or {}),
+                size=prev.get("size"),
+                stub_reason=prev.get("stub_reason"),
+                fingerprint=ident,
+                changed=False,
+            )
+            return rec
+        if fp is not None and same_type and prev is not None and prev.get("fingerprint") == fp:
             # Unchanged by its fingerprint: reuse the previous summary and blob (or stub).
             rec.update(
                 summary=dict(prev.get("summary") or {}),
@@ -570,6 +629,7 @@ class SnapshotWriter:
         estimate = estimated_size(value)
         if estimate is not None and estimate > self.max_variable_bytes:
             rec.update(
+                fingerprint=fp or ident,
                 size=estimate,
                 stub_reason=f"too large: ~{estimate} bytes > {self.max_variable_bytes} "
                 "(summarized only)",
@@ -584,6 +644,7 @@ class SnapshotWriter:
             return rec
         except _TooLarge as e:
             rec.update(
+                fingerprint=ident,
                 size=e.args[0] if e.args else None,
                 stub_reason=f"too large: over {self.max_variable_bytes} bytes serialized "
                 "(summarized only)",
@@ -592,6 +653,7 @@ class SnapshotWriter:
             return rec
         except _TooSlow:
             rec.update(
+                fingerprint=ident,
                 stub_reason=f"too slow: over {self.max_variable_seconds}s to serialize "
                 "(summarized only)",
                 changed=True,
@@ -600,7 +662,11 @@ class SnapshotWriter:
         except BaseException as e:  # noqa: B036 - unpicklable: any error makes a stub
             if isinstance(e, (SystemExit, KeyboardInterrupt)):
                 raise
-            rec.update(stub_reason=f"unpicklable: {type(e).__name__}: {str(e)[:200]}", changed=True)
+            rec.update(
+                fingerprint=ident,
+                stub_reason=f"unpicklable: {type(e).__name__}: {str(e)[:200]}",
+                changed=True,
+            )
             return rec
         if self._holds_secret(rec, data=data):
             return rec
@@ -609,7 +675,7 @@ class SnapshotWriter:
             # No cheap fingerprint: the pickle's own hash spares the compression and write of
             # a value serialized to the same bytes as last time.
             fp = rec["fingerprint"] = f"pickle:{_xxh3(data)}"
-            if reuse and prev is not None and prev.get("fingerprint") == fp:
+            if same_type and prev is not None and prev.get("fingerprint") == fp:
                 rec.update(size=len(data), blob_hash=prev.get("blob_hash"), changed=False)
                 if rec["blob_hash"]:
                     return rec
@@ -622,19 +688,45 @@ class SnapshotWriter:
         return rec
 
 
-# -- scheduling: fork / inline / off -----------------------------------------------------------
+# -- scheduling: when, whether and how a snapshot is taken -------------------------------------
+
+
+class _Child:
+    __slots__ = ("pid", "order_index", "started", "killed")
+
+    def __init__(self, pid: int, order_index: int) -> None:
+        self.pid = pid
+        self.order_index = order_index
+        self.started = time.monotonic()
+        self.killed = False
 
 
 class SnapshotManager:
-    """Takes the snapshot of each execution according to the recorder's snapshot_mode."""
+    """Decides, per execution, to snapshot (fork / inline), to note `unchanged`, to coalesce
+    into a later snapshot, or to skip; watches the snapshot children (see the module doc)."""
 
     def __init__(self, recorder: Any) -> None:
         self.recorder = recorder
-        # pid -> [execution_id, started (monotonic), killed]
-        self.children: dict[int, list[Any]] = {}
+        self.children: dict[int, _Child] = {}
+        self._children_lock = threading.Lock()
         self._frozen = False
         # Set at interpreter exit: no fork then, the snapshot is taken inline.
         self.exiting = False
+        # The execution whose snapshot is due (its order index), and the timer that takes it.
+        self.due: int | None = None
+        self._timer: Any = None
+        # The namespace at the last snapshot: which execution holds it, its bindings, and the
+        # sources of the cells run since (to tell whether they may have changed anything).
+        self.base_order: int | None = None
+        self.base_bindings: dict[str, int] | None = None
+        self.sources_since: list[str] = []
+        self._coalesced: list[int] = []
+        # Counted from the start: the first cells of a "Run All" coalesce like the others.
+        self.last_taken = time.monotonic()
+        #: how many executions went which way (`%themisto status`, benchmarks)
+        self.counts: dict[str, int] = {}
+        #: seconds the kernel spent per fork (gc.freeze + fork + bookkeeping)
+        self.fork_seconds: deque[float] = deque(maxlen=100_000)
         # The recorder's KernelSecrets generation the last snapshot was taken with.
         self.secrets_generation = 0
 
@@ -644,68 +736,227 @@ class SnapshotManager:
     def running(self) -> int:
         return len(self.children)
 
-    def _writer(self) -> SnapshotWriter:
-        r = self.recorder
-        secrets = getattr(r, "secrets", None)
-        generation = secrets.generation if secrets is not None else 0
-        return SnapshotWriter(
-            r.store,
-            r.trajectory_id,
-            secret_pattern=r.secret_pattern,
-            max_variable_bytes=r.max_variable_bytes,
-            max_variable_seconds=r.max_variable_seconds,
-            max_repr_chars=r.max_repr_chars,
-            secrets=secrets,
-            recheck=generation != self.secrets_generation,
-        )
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
 
-    def _taken(self) -> None:
+    # -- the recorder's events ---------------------------------------------------------------
+
+    def execution_done(self, order_index: int, source: str, wall: float) -> None:
+        """An execution was handed to the writer: its snapshot is due now or a moment later."""
+        r = self.recorder
+        if r.snapshot_mode == "off":
+            self.base_bindings = None  # the namespace is no longer followed
+            return
+        self.sources_since.append(source)
+        if self.due is not None:
+            self.coalesce()
+        self.due = order_index
+        now = time.monotonic()
+        loop = getattr(getattr(r.shell, "kernel", None), "io_loop", None)
+        if (
+            r.snapshot_mode == "inline"
+            or self.exiting
+            or loop is None
+            or r.snapshot_delay <= 0
+            or now - self.last_taken >= r.snapshot_max_deferral
+        ):
+            self.take_due()
+            return
+        self._timer = loop.call_later(r.snapshot_delay, self.take_due)
+
+    def cell_starting(self) -> None:
+        """A cell is about to run: a snapshot still due gives way to this cell's."""
+        self.unfreeze_if_idle()
+        if self.due is not None:
+            self.coalesce()
+
+    def silent_request(self) -> None:
+        """A silent execute is about to run (it fires no cell hooks): take a due snapshot now,
+        while the namespace is still the execution's."""
+        if self.due is not None:
+            self.take_due()
+
+    def coalesce(self) -> None:
+        order, self.due = self.due, None
+        self._cancel_timer()
+        if order is None:
+            return
+        self._count("coalesced")
+        # Noted in batches (one statement at the next snapshot), not one write per cell.
+        self._coalesced.append(order)
+        if len(self._coalesced) >= 64:
+            self.flush_coalesced()
+
+    def flush_coalesced(self) -> None:
+        orders, self._coalesced = self._coalesced, []
+        r = self.recorder
+        tid = r.trajectory_id
+        if not orders or tid is None or r.writer is None:
+            return
+        r.writer.submit(lambda store: store.mark_pending_snapshots(tid, orders, "coalesced"))
+
+    def _cancel_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            loop: Any = getattr(getattr(self.recorder.shell, "kernel", None), "io_loop", None)
+            try:
+                loop.remove_timeout(timer)
+            except Exception:
+                pass
+
+    # -- taking it ---------------------------------------------------------------------------
+
+    def take_due(self) -> None:
+        order, self.due = self.due, None
+        self._cancel_timer()
+        if order is None or os.getpid() != self.recorder.pid:
+            return
+        try:
+            self._take(order)
+        except BaseException as e:  # noqa: B036 - a recorder must never break the kernel
+            self.recorder._report("taking the snapshot failed", e)
+            self._write_status(order, "failed", f"{type(e).__name__}: {str(e)[:300]}")
+
+    def _take(self, order: int) -> None:
+        r = self.recorder
+        self.flush_coalesced()
+        variables = list(user_variables(r.shell))
+        current = {name: id(value) for name, value in variables}
+        generation = self._secrets_generation()
+        if (
+            self.base_bindings is not None
+            and current == self.base_bindings
+            and generation == self.secrets_generation
+        ):
+            from .changes import may_change
+
+            transform = getattr(r.shell, "transform_cell", None)
+            ns = r.shell.user_ns
+            if not any(
+                may_change(transform(src) if transform else src, ns) for src in self.sources_since
+            ):
+                base = self.base_order
+                self.sources_since = []
+                self._count("unchanged")
+                self._write_status(
+                    order, "unchanged", f"no variable changed since execution {base}", same_as=base
+                )
+                return
+        mode = r.snapshot_mode
+        if mode == "inline" or self.exiting or not hasattr(os, "fork"):
+            ok = self._inline(order, variables)
+        else:
+            ok = self._fork(order)
+        if ok:
+            self.base_order = order
+            self.base_bindings = current
+            self.sources_since = []
+            self.last_taken = time.monotonic()
+            self.secrets_generation = generation
+
+    def _secrets_generation(self) -> int:
         secrets = getattr(self.recorder, "secrets", None)
-        self.secrets_generation = secrets.generation if secrets is not None else 0
+        return secrets.generation if secrets is not None else 0
 
-    def take(self, execution_id: int) -> None:
-        mode = self.recorder.snapshot_mode
-        if mode == "inline" or (mode == "fork" and (self.exiting or not hasattr(os, "fork"))):
-            variables = list(user_variables(self.recorder.shell))
-            self._writer().write(execution_id, variables, mode="inline")
-            self._taken()
-        elif mode == "fork":
-            self._fork(execution_id)
-
-    def _fork(self, execution_id: int) -> None:
+    def _inline(self, order: int, variables: list[tuple[str, Any]]) -> bool:
         r = self.recorder
-        self.reap()
+        writer = r.writer
+        writer.wait_idle(30.0)  # the execution's row first
+        store = writer.store
+        execution_id = store.execution_id(r.trajectory_id, order) if store is not None else None
+        if execution_id is None:
+            return False  # not written (lost): nothing to attach a snapshot to
+        self._count("inline")
+        self._writer(store).write(execution_id, variables, mode="inline")
+        return True
+
+    def _fork(self, order: int) -> bool:
+        r = self.recorder
+        writer = r.writer
         if len(self.children) >= max(1, r.max_snapshot_children) and r.snapshot_slot_wait > 0:
             self.wait(r.snapshot_slot_wait, below=max(1, r.max_snapshot_children))
         if len(self.children) >= max(1, r.max_snapshot_children):
-            r.store.write_snapshot(
-                execution_id,
-                [],
-                status="skipped",
-                mode="fork",
-                detail=f"{len(self.children)} snapshot children still running "
+            self._count("skipped")
+            self._write_status(
+                order,
+                "skipped",
+                f"{len(self.children)} snapshot children still running "
                 f"(max_snapshot_children={r.max_snapshot_children})",
             )
-            return
-        # No SQLite connection may cross a fork: the child opens its own.
-        r.store.close()
-        gc.freeze()
-        self._frozen = True
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:
-            self._child(execution_id)  # never returns
+            return False
+        started = time.perf_counter()
+        # The writer thread must not be inside SQLite when the child is made.
+        if not writer.fork_lock.acquire(timeout=1.0):
+            self._count("skipped")
+            self._write_status(order, "skipped", "the store was busy (no fork within 1 s)")
+            return False
+        try:
+            gc.freeze()
+            self._frozen = True
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                self._child(order)  # never returns
+        finally:
+            writer.fork_lock.release()
         # Both sides set the group (the classic race: a shutdown signalling the kernel's group
         # between fork and the child's own setpgid would otherwise reach the child).
         try:
             os.setpgid(pid, pid)
         except OSError:
             pass
-        self._taken()
-        self.children[pid] = [execution_id, time.monotonic(), False]
+        child = _Child(pid, order)
+        with self._children_lock:
+            self.children[pid] = child
+        threading.Thread(
+            target=self._watch, args=(child,), name="themisto-snapshot-watch", daemon=True
+        ).start()
+        self._count("fork")
+        self.fork_seconds.append(time.perf_counter() - started)
+        return True
 
-    def _child(self, execution_id: int) -> None:
+    def _writer(self, store: Any) -> SnapshotWriter:
+        r = self.recorder
+        return SnapshotWriter(
+            store,
+            r.trajectory_id,
+            secret_pattern=r.secret_pattern,
+            max_variable_bytes=r.max_variable_bytes,
+            max_variable_seconds=r.max_variable_seconds,
+            max_repr_chars=r.max_repr_chars,
+            secrets=getattr(r, "secrets", None),
+            recheck=self._secrets_generation() != self.secrets_generation,
+        )
+
+    def _write_status(
+        self, order: int, status: str, detail: str, *, same_as: int | None = None
+    ) -> None:
+        """Note a snapshot without variables (through the writer, after the row)."""
+        r = self.recorder
+        tid = r.trajectory_id
+        if tid is None or r.writer is None:
+            return
+
+        def job(store: Any) -> None:
+            execution_id = store.execution_id(tid, order)
+            if execution_id is None or store.get_snapshot(execution_id) is not None:
+                return
+            holder = store.execution_id(tid, same_as) if same_as is not None else None
+            store.write_snapshot(
+                execution_id,
+                [],
+                status=status,
+                mode=r.snapshot_mode,
+                detail=detail,
+                same_as=holder,
+            )
+
+        r.writer.submit(job)
+
+    # -- the child ---------------------------------------------------------------------------
+
+    def _child(self, order: int) -> None:
         code = _CHILD_FAILED
         try:
             gc.disable()
@@ -732,79 +983,141 @@ class SnapshotManager:
             sink = open(os.devnull, "w")  # noqa: SIM115 - lives until os._exit
             sys.stdout = sys.stderr = sink
             variables = list(user_variables(self.recorder.shell))
-            try:
-                self._writer().write(execution_id, variables, mode="fork")
-                code = _CHILD_OK
-            except BaseException as e:  # noqa: B036
+            from ..store import TrajectoryStore
+
+            # Its own connection; nothing of the kernel's (the writer thread's) is touched.
+            store = TrajectoryStore(self.recorder.store_file, migrate=False)
+            execution_id = _wait_for_row(store, self.recorder.trajectory_id, order)
+            if execution_id is None:
+                code = _CHILD_NO_ROW
+            else:
                 try:
-                    self.recorder.store.write_snapshot(
-                        execution_id,
-                        [],
-                        status="failed",
-                        mode="fork",
-                        detail=f"{type(e).__name__}: {str(e)[:500]}",
-                    )
-                except BaseException:  # noqa: B036
-                    pass
+                    self._writer(store).write(execution_id, variables, mode="fork")
+                    code = _CHILD_OK
+                except BaseException as e:  # noqa: B036
+                    try:
+                        store.write_snapshot(
+                            execution_id,
+                            [],
+                            status="failed",
+                            mode="fork",
+                            detail=f"{type(e).__name__}: {str(e)[:500]}",
+                        )
+                    except BaseException:  # noqa: B036
+                        pass
         finally:
             os._exit(code)
 
-    def reap(self) -> None:
-        """Collect finished children (never blocks); kill those past the time bound."""
+    # -- watching the children ---------------------------------------------------------------
+
+    def _watch(self, child: _Child) -> None:
+        """Wait for one child (on its own thread); a child that died without writing its
+        snapshot, or ran past max_snapshot_seconds, gets a `failed` snapshot with the reason."""
         r = self.recorder
-        for pid, entry in list(self.children.items()):
-            execution_id, started, killed = entry
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
-            except OSError as e:
-                r._report("waiting for a snapshot child failed", e)
-                done, status = pid, 0
-            if done == 0:
-                if not killed and time.monotonic() - started > r.max_snapshot_seconds:
+        reason: str | None = None
+        try:
+            status = self._wait_child(child, r.max_snapshot_seconds)
+            if child.killed:
+                reason = f"snapshot killed after {r.max_snapshot_seconds:g}s"
+            elif status is None:
+                reason = "the snapshot process was reaped by someone else (status unknown)"
+            else:
+                code = os.waitstatus_to_exitcode(status)
+                if code < 0:
                     try:
-                        os.kill(pid, signal.SIGKILL)
+                        name = signal.Signals(-code).name
+                    except ValueError:
+                        name = f"signal {-code}"
+                    reason = f"the snapshot process was killed by {name}"
+                elif code not in (_CHILD_OK, _CHILD_FAILED, _CHILD_NO_ROW):
+                    reason = f"the snapshot process exited with status {code}"
+        except BaseException as e:  # noqa: B036
+            reason = f"watching the snapshot process failed: {type(e).__name__}: {e}"
+        finally:
+            with self._children_lock:
+                self.children.pop(child.pid, None)
+        if reason is not None:
+            self._write_status(child.order_index, "failed", reason)
+
+    def _wait_child(self, child: _Child, limit: float) -> int | None:
+        deadline = child.started + limit
+        pidfd = None
+        try:
+            pidfd = os.pidfd_open(child.pid) if hasattr(os, "pidfd_open") else None
+        except OSError:
+            pidfd = None
+        try:
+            while True:
+                try:
+                    done, status = os.waitpid(child.pid, os.WNOHANG)
+                except ChildProcessError:
+                    return None
+                if done:
+                    return status
+                left = deadline - time.monotonic()
+                if left <= 0 and not child.killed:
+                    child.killed = True
+                    try:
+                        os.kill(child.pid, signal.SIGKILL)
                     except OSError:
                         pass
-                    entry[2] = True
-                    self._mark_failed(
-                        execution_id, f"snapshot killed after {r.max_snapshot_seconds:g}s"
-                    )
-                continue
-            del self.children[pid]
-            code = os.waitstatus_to_exitcode(status) if status else 0
-            if code not in (_CHILD_OK, _CHILD_FAILED) and not killed:
-                self._mark_failed(execution_id, f"snapshot process exited with status {code}")
-        if not self.children and self._frozen:
+                    left = 5.0
+                wait = min(max(left, 0.01), 1.0)
+                if pidfd is not None:
+                    import select
+
+                    select.select([pidfd], [], [], wait)
+                else:
+                    time.sleep(min(wait, 0.05))
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def reap(self) -> None:
+        """Children are reaped by their watcher threads; this only gives gc back its
+        collections once none is left (called from the kernel's thread)."""
+        self.unfreeze_if_idle()
+
+    def unfreeze_if_idle(self) -> None:
+        if self._frozen and not self.children:
             gc.unfreeze()
             self._frozen = False
 
     def wait(self, seconds: float, below: int = 1, *, hurry: bool = False) -> None:
-        """Reap until fewer than `below` children run, for at most `seconds`.
+        """Until fewer than `below` children run, for at most `seconds`.
 
         `hurry` (at kernel exit) gives the children normal priority again where allowed.
         """
         if hurry:
-            for pid in self.children:
+            for pid in list(self.children):
                 try:
                     os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0))
                 except (OSError, AttributeError):
                     pass
         deadline = time.monotonic() + seconds
-        self.reap()
         while len(self.children) >= below and time.monotonic() < deadline:
             time.sleep(0.005)
-            self.reap()
-
-    def _mark_failed(self, execution_id: int, detail: str) -> None:
-        store = self.recorder.store
-        try:
-            if store is not None and store.get_snapshot(execution_id) is None:
-                store.write_snapshot(execution_id, [], status="failed", mode="fork", detail=detail)
-        except Exception as e:
-            self.recorder._report("marking a snapshot failed", e)
+        self.unfreeze_if_idle()
 
     def close(self) -> None:
         # Running children finish on their own; they hold nothing of the kernel's.
-        self.reap()
+        self._cancel_timer()
+        self.flush_coalesced()
+        self.unfreeze_if_idle()
+
+
+def _wait_for_row(store: Any, trajectory_id: str | None, order: int) -> int | None:
+    """The execution's id once the kernel's writer has written it (the child may be first)."""
+    if trajectory_id is None:
+        return None
+    deadline = time.monotonic() + 120.0
+    pause = 0.005
+    while True:
+        try:
+            found = store.execution_id(trajectory_id, order)
+        except Exception:
+            found = None
+        if found is not None or time.monotonic() > deadline:
+            return found
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)

@@ -67,12 +67,15 @@ class ThemistoExtensionApp(ExtensionApp):
     ).tag(config=True)
     auto_record = Bool(
         True,
-        help="Load the recorder into every Python kernel this server starts (a silent "
-        "`%load_ext jupyter_themisto`). A notebook opts out with "
+        help="Record in every Python kernel this server starts, from its first request: "
+        "ipykernel kernels are launched with `--ext=jupyter_themisto` (other Python kernels "
+        "get a silent `%load_ext jupyter_themisto` once ready). A notebook opts out with "
         '`"themisto": {"record": false}` in its metadata.',
     ).tag(config=True)
     auto_record_timeout = Float(
-        60.0, help="Seconds to wait for a new kernel to be ready before giving up recording it."
+        60.0,
+        help="Seconds to wait for a Python kernel that is not ipykernel to be ready before "
+        "giving up loading the recorder into it.",
     ).tag(config=True)
 
     @validate("prediction_timeout", "auto_record_timeout")

@@ -1,30 +1,53 @@
-"""Auto-record: every Python kernel the server starts loads the recorder, kernelspecs untouched.
+"""Auto-record: every Python kernel the server starts records from its first request.
 
-The server listens to its own kernel-action events (jupyter_server's event bus): when a kernel
-starts or restarts, it waits for the kernel to be ready and sends one silent execute request,
-`%load_ext jupyter_themisto` (silent, store_history=False: nothing is shown, nothing counts as
-an execution, the recorder's own hooks do not fire for it). The kernel finds the store through
-THEMISTO_STORE, which the extension puts in the server's environment, and the notebook path
-through JPY_SESSION_NAME, which jupyter_server sets for kernels of a session (the server then
-rewrites it to the notebook's API path, as the browser knows it).
+For an ipykernel kernelspec (its argv runs `ipykernel_launcher` / `ipykernel`), the server adds
+`--ext=jupyter_themisto` to the kernel's command line when it launches it, so the recorder is
+loaded by the kernel's own start-up, before the kernel reads its first request: cells a
+browser sends the instant a kernel starts or restarts ("Restart Kernel and Run All") are
+recorded like any other. The arguments are kept by jupyter_client for restarts.
 
-A notebook opts out with `"themisto": {"record": false}` in its metadata.
+The kernel's environment carries the rest:
+
+- `THEMISTO_STORE`: the server's store (set in the server's environment by the extension);
+- `THEMISTO_SERVER_ROOT`: the server's root directory, so that the kernel records its notebook
+  by the API path the browser and the REST API use (it learns the notebook's OS path from
+  `JPY_SESSION_NAME`, which jupyter_server sets and keeps current across renames);
+- `THEMISTO_RECORD=0` for a notebook whose metadata says `"themisto": {"record": false}`: the
+  extension is loaded but records nothing and opens no store. The switch is read again before
+  every restart (through jupyter_client's public `update_env`).
+
+Other Python kernelspecs (not ipykernel) cannot take the argument; for them the server still
+sends one silent `%load_ext jupyter_themisto` once the kernel is ready (cells sent before it
+are not recorded).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from jupyter_core.utils import ensure_async
 
 KERNEL_ACTIONS_SCHEMA = "https://events.jupyter.org/jupyter_server/kernel_actions/v1"
 LOAD_CODE = "%load_ext jupyter_themisto"
+EXT_ARGUMENT = "--ext=jupyter_themisto"
+RECORD_ENV = "THEMISTO_RECORD"
+ROOT_ENV = "THEMISTO_SERVER_ROOT"
+SESSION_ENV = "JPY_SESSION_NAME"
+
+LOADED_AT_START = "loaded at start"
+OPTED_OUT = "opted out"
+
+
+def runs_ipykernel(argv: list[str]) -> bool:
+    """True for a kernelspec command line that starts ipykernel (it takes `--ext`)."""
+    return any("ipykernel" in os.path.basename(str(a)) for a in argv)
 
 
 class AutoRecorder:
-    """Sends the silent `%load_ext` to each started Python kernel (unless opted out)."""
+    """Makes the kernels the server launches record (unless their notebook opts out)."""
 
     def __init__(
         self,
@@ -39,46 +62,140 @@ class AutoRecorder:
         self.log = log
         self.ready_timeout = ready_timeout
         self._tasks: set[asyncio.Task[Any]] = set()
-        #: kernel id -> outcome ("loaded", "opted out", "not python", "failed: …"), for tests
+        self._patched: list[tuple[Any, str]] = []
+        # Kernels launched with the extension (their restarts keep the argument).
+        self._launched: set[str] = set()
+        #: kernel id -> outcome ("loaded at start", "opted out", "not python", "loaded",
+        #: "failed: …"), for tests and logs
         self.outcomes: dict[str, str] = {}
 
+    # -- wiring ------------------------------------------------------------------------------
+
     def attach(self) -> None:
+        km = self.serverapp.kernel_manager
+        start, restart = km.start_kernel, km.restart_kernel
+        recorder = self
+
+        async def start_kernel(*args: Any, **kwargs: Any) -> Any:
+            outcome = await recorder.prepare_start(kwargs)
+            kernel_id = await ensure_async(start(*args, **kwargs))
+            if outcome is not None:
+                recorder._launched.add(kernel_id)
+                recorder.outcomes[kernel_id] = outcome
+            return kernel_id
+
+        async def restart_kernel(kernel_id: str, *args: Any, **kwargs: Any) -> Any:
+            outcome = await recorder.prepare_restart(kernel_id)
+            result = await ensure_async(restart(kernel_id, *args, **kwargs))
+            if outcome is not None:
+                recorder.outcomes[kernel_id] = outcome
+            return result
+
+        # Instance attributes: the kernels handler and the session manager call these.
+        km.start_kernel = start_kernel
+        km.restart_kernel = restart_kernel
+        self._patched = [(km, "start_kernel"), (km, "restart_kernel")]
         self.serverapp.event_logger.add_listener(
             schema_id=KERNEL_ACTIONS_SCHEMA, listener=self._on_event
         )
 
-    async def _on_event(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-        if data.get("status") != "success" or data.get("action") not in ("start", "restart"):
-            return
-        kernel_id = data.get("kernel_id")
-        if not kernel_id:
-            return
-        task = asyncio.ensure_future(self.enable(kernel_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def wait(self) -> None:
-        """Until every pending enable has finished (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
+        for obj, name in self._patched:
+            try:
+                delattr(obj, name)
+            except AttributeError:
+                pass
+        self._patched = []
 
-    async def _notebook_path(self, kernel_id: str) -> str | None:
+    async def wait(self) -> None:
+        """Until every pending late load has finished (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # -- launch arguments --------------------------------------------------------------------
+
+    def _spec(self, kernel_name: str | None) -> Any:
+        km = self.serverapp.kernel_manager
+        name = kernel_name or getattr(km, "default_kernel_name", None)
+        try:
+            return km.kernel_spec_manager.get_kernel_spec(name)
+        except Exception:
+            return None
+
+    def api_path(self, os_path: str | None) -> str | None:
+        """The API path (relative to the server root, '/'-separated) of a notebook's OS path."""
+        if not os_path:
+            return None
+        root = os.path.abspath(self.serverapp.root_dir)
+        full = os.path.abspath(os_path)
+        try:
+            rel = os.path.relpath(full, root)
+        except ValueError:
+            return None
+        if rel.startswith(os.pardir):
+            return None
+        return rel.replace(os.sep, "/")
+
+    async def prepare_start(self, kwargs: dict[str, Any]) -> str | None:
+        """Add the recorder to a kernel's launch arguments and environment.
+
+        Returns the outcome to note once the kernel id is known, or None when the kernel is
+        left to the late load (a Python kernel that is not ipykernel) or not recorded at all.
+        """
+        spec = self._spec(kwargs.get("kernel_name"))
+        language = (getattr(spec, "language", "") or "").lower()
+        if language != "python" or not runs_ipykernel(list(getattr(spec, "argv", []) or [])):
+            return None
+        env = dict(kwargs.get("env") or os.environ)
+        path = self.api_path(env.get(SESSION_ENV))
+        opted_out = await self.opted_out(path)
+        env[RECORD_ENV] = "0" if opted_out else "1"
+        env[ROOT_ENV] = os.path.abspath(self.serverapp.root_dir)
+        kwargs["env"] = env
+        extra = list(kwargs.get("extra_arguments") or [])
+        if EXT_ARGUMENT not in extra:
+            extra.append(EXT_ARGUMENT)
+        kwargs["extra_arguments"] = extra
+        if opted_out:
+            self.log.info("themisto: not recording %s (notebook metadata opts out)", path)
+            return OPTED_OUT
+        return LOADED_AT_START
+
+    async def prepare_restart(self, kernel_id: str) -> str | None:
+        """Read the notebook's switch again: a restart is a new start."""
+        km = self.serverapp.kernel_manager
+        try:
+            kernel = km.get_kernel(kernel_id)
+        except Exception:
+            return None
+        if kernel_id not in self._launched:
+            return None  # not started with the extension: the late load follows the event
+        path = await self._notebook_path(kernel_id, attempts=1)
+        opted_out = await self.opted_out(path)
+        try:
+            kernel.update_env(env={RECORD_ENV: "0" if opted_out else "1"})
+        except Exception as e:
+            self.log.warning("themisto: cannot update kernel %s's environment: %s", kernel_id, e)
+        return OPTED_OUT if opted_out else LOADED_AT_START
+
+    # -- the notebook's switch ---------------------------------------------------------------
+
+    async def _notebook_path(self, kernel_id: str, attempts: int = 20) -> str | None:
         sm = getattr(self.serverapp, "session_manager", None)
         if sm is None:
             return None
         # The session row is saved just after its kernel starts; give it a moment.
-        for _ in range(20):
+        for attempt in range(attempts):
             try:
                 for s in await ensure_async(sm.list_sessions()):
                     if (s.get("kernel") or {}).get("id") == kernel_id:
                         return s.get("path")
             except Exception:
                 return None
-            await asyncio.sleep(0.1)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(0.1)
         return None
 
     async def opted_out(self, path: str | None) -> bool:
@@ -95,9 +212,26 @@ class AutoRecorder:
         setting = meta.get("themisto") if isinstance(meta, dict) else None
         return isinstance(setting, dict) and setting.get("record") is False
 
+    # -- the late load (Python kernels that are not ipykernel) -------------------------------
+
+    async def _on_event(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        if data.get("status") != "success" or data.get("action") not in ("start", "restart"):
+            return
+        kernel_id = data.get("kernel_id")
+        if not kernel_id:
+            return
+        try:
+            spec = self.serverapp.kernel_manager.get_kernel(kernel_id).kernel_spec
+        except Exception:
+            spec = None
+        if runs_ipykernel(list(getattr(spec, "argv", []) or [])):
+            return  # launched with the extension (prepare_start)
+        task = asyncio.ensure_future(self.enable(kernel_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _use_api_path(self, kernel_id: str, path: str | None) -> None:
-        # The kernel knows its notebook only as an OS path (JPY_SESSION_NAME); the browser
-        # and the REST API name it by its path under the server root.
+        # A late-loaded kernel knows its notebook only as an OS path (JPY_SESSION_NAME).
         if not path or self.store is None:
             return
         t = self.store.latest_trajectory_for_kernel(kernel_id)
@@ -123,7 +257,7 @@ class AutoRecorder:
         path = await self._notebook_path(kernel_id)
         if await self.opted_out(path):
             self.log.info("themisto: not recording %s (notebook metadata opts out)", path)
-            return "opted out"
+            return OPTED_OUT
         client = kernel.client()
         client.start_channels()
         try:
@@ -139,5 +273,5 @@ class AutoRecorder:
         finally:
             client.stop_channels()
         self._use_api_path(kernel_id, path)
-        self.log.info("themisto: recording kernel %s (%s)", kernel_id, path or "no notebook")
+        self.log.info("themisto: recording kernel %s (%s), loaded late", kernel_id, path)
         return "loaded"

@@ -72,7 +72,14 @@ MIGRATIONS: list[str] = [
         data         BLOB NOT NULL
     );
     """,
-    # 1 -> 2: keyed hashes of secret values (jupyter_themisto.redaction), never the values.
+    # 1 -> 2: executions may be 'lost' (written after the fact, `detail` says why); snapshots
+    # may be 'unchanged' (the namespace of execution `same_as`, no variable rows of their own)
+    # or 'coalesced' (not taken: a later execution's snapshot was taken instead).
+    """
+    ALTER TABLE executions ADD COLUMN detail TEXT;
+    ALTER TABLE snapshots ADD COLUMN same_as INTEGER REFERENCES executions (id);
+    """,
+    # 2 -> 3: keyed hashes of secret values (jupyter_themisto.redaction), never the values.
     """
     CREATE TABLE secret_digests (
         digest      TEXT PRIMARY KEY,                 -- HMAC-SHA256 (128 bits) under <store>.key

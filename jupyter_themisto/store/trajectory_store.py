@@ -16,7 +16,7 @@ from typing import Any
 
 import zstandard
 
-from .schema import migrate
+from .schema import migrate as migrate_schema
 
 STORE_ENV = "THEMISTO_STORE"
 
@@ -38,8 +38,10 @@ _EXECUTION_FIELDS = (
     "memory_after",
     "memory_peak",
     "snapshot_status",
+    "detail",
 )
-EXECUTION_STATUSES = ("ok", "error", "interrupted")
+EXECUTION_STATUSES = ("ok", "error", "interrupted", "lost")
+SNAPSHOT_STATUSES = ("ok", "partial", "skipped", "failed", "unchanged", "coalesced")
 
 
 class StoreError(Exception):
@@ -75,6 +77,7 @@ class TrajectoryStore:
         *,
         readonly: bool = False,
         timeout: float = 30.0,
+        migrate: bool = True,
     ) -> None:
         self.path = Path(path).expanduser() if path is not None else default_store_path()
         self.readonly = readonly
@@ -90,8 +93,8 @@ class TrajectoryStore:
             except OSError as e:
                 raise StoreError(f"cannot create the store's folder {self.path.parent}: {e}") from e
         conn = self._conn()
-        if not readonly:
-            migrate(conn)
+        if not readonly and migrate:
+            migrate_schema(conn)
 
     # -- connections -------------------------------------------------------------------------
 
@@ -136,6 +139,10 @@ class TrajectoryStore:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
+
+    def set_busy_timeout(self, seconds: float) -> None:
+        """How long this thread's connection waits for another writer's lock (0: not at all)."""
+        self._conn().execute(f"PRAGMA busy_timeout = {max(0, int(seconds * 1000))}")
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -197,9 +204,11 @@ class TrajectoryStore:
             )
 
     def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
-        row = self._conn().execute(
-            _TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(_TRAJECTORY_SELECT + " WHERE t.id = ?", (trajectory_id,))
+            .fetchone()
+        )
         return _trajectory_dict(row) if row else None
 
     def list_trajectories(
@@ -224,12 +233,16 @@ class TrajectoryStore:
 
     # -- executions --------------------------------------------------------------------------
 
-    def add_execution(self, trajectory_id: str, record: dict[str, Any]) -> int:
+    def add_execution(
+        self, trajectory_id: str, record: dict[str, Any], *, order_index: int | None = None
+    ) -> int:
         """Append one execution to a trajectory; returns the execution id.
 
         `record` holds the `executions` columns by name (`source` and `status` required;
-        `outputs` a list of nbformat output dicts). The order index is the next in the
-        trajectory, assigned here so that concurrent writers cannot collide.
+        `outputs` a list of nbformat output dicts, stored as strict JSON: no NaN). The order
+        index is the next in the trajectory unless the (only) writer of the trajectory gives
+        it: the recorder numbers its executions itself, so that an execution written late
+        (status `lost`) keeps its place.
         """
         unknown = set(record) - set(_EXECUTION_FIELDS)
         if unknown:
@@ -239,20 +252,50 @@ class TrajectoryStore:
         if not isinstance(record.get("source"), str):
             raise ValueError("execution source must be a string")
         values = dict(record)
-        values["outputs"] = json.dumps(values.get("outputs") or [])
+        values["outputs"] = json.dumps(values.get("outputs") or [], allow_nan=False)
         values.setdefault("snapshot_status", "none")
         cols = list(values)
+        insert = (
+            f"INSERT INTO executions (trajectory_id, order_index, {', '.join(cols)})"
+            f" VALUES (?, ?, {', '.join('?' for _ in cols)})"
+        )
+        if order_index is not None:
+            # One statement is its own transaction: no BEGIN/COMMIT round trips (the recorder
+            # writes one of these after every cell).
+            if self.readonly:
+                raise StoreError(f"the trajectory store {self.path} was opened read-only")
+            cur = self._conn().execute(insert, (trajectory_id, order_index, *values.values()))
+            return int(cur.lastrowid)  # type: ignore[arg-type]
         with self._write() as conn:
             order = conn.execute(
                 "SELECT coalesce(max(order_index) + 1, 0) FROM executions WHERE trajectory_id = ?",
                 (trajectory_id,),
             ).fetchone()[0]
-            cur = conn.execute(
-                f"INSERT INTO executions (trajectory_id, order_index, {', '.join(cols)})"
-                f" VALUES (?, ?, {', '.join('?' for _ in cols)})",
-                (trajectory_id, order, *values.values()),
-            )
+            cur = conn.execute(insert, (trajectory_id, order, *values.values()))
             return int(cur.lastrowid)  # type: ignore[arg-type]
+
+    def execution_id(self, trajectory_id: str, order_index: int) -> int | None:
+        """The id of a trajectory's execution at `order_index`, if written."""
+        row = (
+            self._conn()
+            .execute(
+                "SELECT id FROM executions WHERE trajectory_id = ? AND order_index = ?",
+                (trajectory_id, order_index),
+            )
+            .fetchone()
+        )
+        return int(row[0]) if row else None
+
+    def next_order_index(self, trajectory_id: str) -> int:
+        row = (
+            self._conn()
+            .execute(
+                "SELECT coalesce(max(order_index) + 1, 0) FROM executions WHERE trajectory_id = ?",
+                (trajectory_id,),
+            )
+            .fetchone()
+        )
+        return int(row[0])
 
     def get_execution(self, execution_id: int) -> dict[str, Any] | None:
         row = self._conn().execute("SELECT * FROM executions WHERE id = ?", (execution_id,))
@@ -273,9 +316,30 @@ class TrajectoryStore:
     def count_executions(self, trajectory_id: str | None = None) -> int:
         if trajectory_id is None:
             return self._conn().execute("SELECT count(*) FROM executions").fetchone()[0]
-        return self._conn().execute(
-            "SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,)
-        ).fetchone()[0]
+        return (
+            self._conn()
+            .execute("SELECT count(*) FROM executions WHERE trajectory_id = ?", (trajectory_id,))
+            .fetchone()[0]
+        )
+
+    def mark_pending_snapshots(
+        self, trajectory_id: str, order_indexes: Iterable[int], status: str
+    ) -> int:
+        """Set the snapshot status of those of the executions whose snapshot is still pending
+        (e.g. 'coalesced'); returns how many changed."""
+        if status not in SNAPSHOT_STATUSES:
+            raise ValueError(f"snapshot status must be one of {SNAPSHOT_STATUSES}")
+        orders = [int(o) for o in order_indexes]
+        if not orders:
+            return 0
+        with self._write() as conn:
+            marks = ",".join("?" * len(orders))
+            cur = conn.execute(
+                "UPDATE executions SET snapshot_status = ? WHERE trajectory_id = ?"
+                f" AND snapshot_status = 'pending' AND order_index IN ({marks})",
+                (status, trajectory_id, *orders),
+            )
+            return int(cur.rowcount)
 
     def set_snapshot_status(self, execution_id: int, status: str) -> None:
         with self._write() as conn:
@@ -304,18 +368,24 @@ class TrajectoryStore:
         return found is not None
 
     def get_blob(self, digest: str) -> bytes:
-        row = self._conn().execute(
-            "SELECT codec, data FROM blobs WHERE hash = ?", (digest,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT codec, data FROM blobs WHERE hash = ?", (digest,))
+            .fetchone()
+        )
         if row is None:
             raise KeyError(digest)
         return _decompress(row["data"], row["codec"])
 
     def blob_stats(self) -> dict[str, int]:
-        row = self._conn().execute(
-            "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
-            " coalesce(sum(stored_size), 0) AS stored FROM blobs"
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT count(*) AS n, coalesce(sum(size), 0) AS size,"
+                " coalesce(sum(stored_size), 0) AS stored FROM blobs"
+            )
+            .fetchone()
+        )
         return {"count": row["n"], "size": row["size"], "stored_size": row["stored"]}
 
     # -- snapshots ---------------------------------------------------------------------------
@@ -329,19 +399,23 @@ class TrajectoryStore:
         mode: str | None = None,
         duration: float | None = None,
         detail: str | None = None,
+        same_as: int | None = None,
     ) -> int:
         """Record a namespace snapshot for an execution; returns the snapshot id.
 
         Each variable dict has `name`, `type`, and optionally `size`, `summary` (dict),
         `blob_hash` (a blob already stored with put_blob), `fingerprint`, `stub_reason`,
         `changed`. The execution's snapshot_id and snapshot_status are set in the same
-        transaction.
+        transaction. An `unchanged` snapshot has no variables of its own: `same_as` is the
+        execution whose snapshot holds the same namespace.
         """
+        if status not in SNAPSHOT_STATUSES:
+            raise ValueError(f"snapshot status must be one of {SNAPSHOT_STATUSES}")
         with self._write() as conn:
             cur = conn.execute(
-                "INSERT INTO snapshots (execution_id, status, mode, created_at, duration, detail)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (execution_id, status, mode, time.time(), duration, detail),
+                "INSERT INTO snapshots (execution_id, status, mode, created_at, duration, detail,"
+                " same_as) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (execution_id, status, mode, time.time(), duration, detail, same_as),
             )
             sid = int(cur.lastrowid)  # type: ignore[arg-type]
             conn.executemany(
@@ -369,28 +443,68 @@ class TrajectoryStore:
         return sid
 
     def get_snapshot(self, execution_id: int) -> dict[str, Any] | None:
-        row = self._conn().execute(
-            "SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,)
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT * FROM snapshots WHERE execution_id = ?", (execution_id,))
+            .fetchone()
+        )
         return dict(row) if row else None
 
+    def _holder(self, execution_id: int) -> int:
+        """The execution whose snapshot rows hold `execution_id`'s namespace."""
+        seen = {execution_id}
+        while True:
+            row = (
+                self._conn()
+                .execute("SELECT same_as FROM snapshots WHERE execution_id = ?", (execution_id,))
+                .fetchone()
+            )
+            if row is None or row["same_as"] is None or row["same_as"] in seen:
+                return execution_id
+            execution_id = row["same_as"]
+            seen.add(execution_id)
+
     def get_variables(self, execution_id: int) -> list[dict[str, Any]]:
-        """The variable summaries of an execution's snapshot (empty if it has none)."""
+        """The variable summaries of an execution's snapshot (empty if it has none).
+
+        An `unchanged` snapshot gives the variables of the snapshot it is the same as (each
+        `changed = false`)."""
+        holder = self._holder(execution_id)
         rows = self._conn().execute(
             "SELECT v.* FROM variables v JOIN snapshots s ON s.id = v.snapshot_id"
             " WHERE s.execution_id = ? ORDER BY v.name",
-            (execution_id,),
+            (holder,),
         )
-        return [_variable_dict(r) for r in rows]
+        found = [_variable_dict(r) for r in rows]
+        if holder != execution_id:
+            for v in found:
+                v["changed"] = False
+        return found
 
     def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
-        """The variables of the trajectory's most recent snapshot that was written."""
-        row = self._conn().execute(
-            "SELECT e.id FROM executions e JOIN snapshots s ON s.execution_id = e.id"
-            " WHERE e.trajectory_id = ? ORDER BY e.order_index DESC LIMIT 1",
-            (trajectory_id,),
-        ).fetchone()
-        return self.get_variables(row["id"]) if row else []
+        """The variables of the trajectory's most recent snapshot that was written (one that
+        holds variables, directly or through `same_as`)."""
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT e.id, s.status, s.same_as FROM executions e"
+                " JOIN snapshots s ON s.execution_id = e.id"
+                " WHERE e.trajectory_id = ? AND s.status IN ('ok', 'partial', 'unchanged')"
+                " ORDER BY e.order_index DESC LIMIT 50",
+                (trajectory_id,),
+            )
+            .fetchall()
+        )
+        for row in rows:
+            holder = self._holder(row["id"])
+            status = (
+                self._conn()
+                .execute("SELECT status FROM snapshots WHERE execution_id = ?", (holder,))
+                .fetchone()
+            )
+            if status is not None and status["status"] in ("ok", "partial"):
+                return self.get_variables(holder)
+        return []
 
     # -- secret digests (jupyter_themisto.redaction) ------------------------------------------
 
@@ -437,11 +551,16 @@ class TrajectoryStore:
 
     def latest_trajectory_for_kernel(self, kernel_id: str) -> dict[str, Any] | None:
         """The newest trajectory recorded by the kernel `kernel_id` (a restart starts another)."""
-        row = self._conn().execute(
-            _TRAJECTORY_SELECT + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
-            " LIMIT 1",
-            (kernel_id,),
-        ).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                _TRAJECTORY_SELECT
+                + " WHERE t.kernel_id = ? ORDER BY t.started_at DESC, t.rowid DESC"
+                " LIMIT 1",
+                (kernel_id,),
+            )
+            .fetchone()
+        )
         return _trajectory_dict(row) if row else None
 
     def variable_changes(self, trajectory_id: str) -> dict[str, int]:

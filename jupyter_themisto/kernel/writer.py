@@ -1,0 +1,326 @@
+"""RecordWriter: the recorder's writes, in order, without ever making a cell wait on the store.
+
+The recorder hands over each finished execution (and each snapshot note it decides) just after
+the kernel's reply. When nothing is waiting before it, the write happens right there, on the
+kernel's thread, with a connection that never waits for a lock (a few tenths of a millisecond:
+outputs turned into bounded nbformat dicts, images stored as blobs, the row); a write that
+fails or would wait goes to a background thread, and so does everything after it until that
+thread has caught up. (A thread for every write would cost more: while it holds the GIL, the
+next cell's own I/O waits for it.) Both use one connection each, kept for the kernel's life
+(snapshot children open their own).
+
+An execution that cannot be written — the disk is full, the file read-only or broken, the
+database locked past `locked_retry_seconds` — is kept in memory (at most `max_lost`, without
+its outputs) and written as an execution with status `lost`, its `detail` saying why, at its
+own place in the order, as soon as the store takes writes again (tried before every later
+write and every `retry_seconds` while idle). A trajectory whose store could not be opened at
+all is created then too.
+
+`fork_lock` is held around every call the thread makes into SQLite: the kernel takes it to
+fork, so that no child inherits SQLite's internal mutexes half-held by the thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+# How long one attempt may wait for a lock held by another writer (a snapshot child), and how
+# long a locked store is retried before an execution counts as lost.
+_BUSY_TIMEOUT = 0.05
+_MAX_SOURCE_KEPT = 100_000
+
+
+class _Stop:
+    pass
+
+
+class _Unwritable(Exception):
+    """The store took no writes (the message says why)."""
+
+
+class RecordWriter:
+    """A daemon thread that owns the recorder's writes (see module doc)."""
+
+    def __init__(
+        self,
+        open_store: Callable[[float], Any],
+        *,
+        report: Callable[[str, BaseException], None],
+        locked_retry_seconds: float = 10.0,
+        retry_seconds: float = 5.0,
+        max_lost: int = 10_000,
+    ) -> None:
+        self._open_store = open_store
+        self._report = report
+        self.locked_retry_seconds = locked_retry_seconds
+        self.retry_seconds = retry_seconds
+        self.store: Any = None
+        self.fork_lock = threading.Lock()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        # Executions not written yet, in order: (trajectory_id, order_index, record, reason).
+        self.lost: deque[tuple[str, int, dict[str, Any], str]] = deque(maxlen=max_lost)
+        self.lost_dropped = 0
+        # Trajectories to create before anything of theirs is written (their fields are read
+        # on this thread: package versions and host facts take a moment).
+        self._trajectories: dict[str, Callable[[], dict[str, Any]]] = {}
+        self.written = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        # Seconds spent per execution (outputs, blobs, the row), for benchmarks.
+        self.write_seconds: deque[float] = deque(maxlen=100_000)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._direct_threads: set[int] = set()
+        self._owner = threading.get_ident()
+        self._thread = threading.Thread(target=self._run, name="themisto-writer", daemon=True)
+        self._thread.start()
+
+    # -- the kernel's side -------------------------------------------------------------------
+
+    def _direct(self) -> Any:
+        """The store, when a write may happen on the calling thread now: nothing is queued
+        before it and the store is open (else None)."""
+        if (
+            self.store is None
+            # Only the kernel's own thread (the one that forks) writes directly: another
+            # thread inside SQLite at a fork would leave the child SQLite's mutexes held.
+            or threading.get_ident() != self._owner
+            or not self._idle.is_set()
+            or not self._queue.empty()
+            or self.lost
+            or self._trajectories
+        ):
+            return None
+        if threading.get_ident() not in self._direct_threads:
+            try:
+                self.store.set_busy_timeout(0)  # never wait on this thread: hand over instead
+            except Exception:
+                return None
+            self._direct_threads.add(threading.get_ident())
+        return self.store
+
+    def submit(self, job: Callable[[Any], Any], *, kind: str = "call") -> None:
+        """Run `job(store)` after everything submitted before it (here if nothing waits)."""
+        store = self._direct()
+        if store is not None:
+            try:
+                job(store)
+                return
+            except Exception:
+                pass  # the thread tries again (jobs are idempotent)
+        self._idle.clear()
+        self._queue.put((kind, job))
+
+    def create_trajectory(self, trajectory_id: str, fields: Callable[[], dict[str, Any]]) -> None:
+        self._trajectories[trajectory_id] = fields
+        self._idle.clear()
+        self._queue.put(("trajectory", None))
+
+    def add_execution(
+        self,
+        trajectory_id: str,
+        order_index: int,
+        prepare: Callable[[Callable[[bytes], str]], dict[str, Any]],
+        *,
+        fallback: dict[str, Any],
+    ) -> None:
+        """Write an execution; `prepare(put_blob)` builds its record (outputs, blobs).
+        `fallback` is what a `lost` row keeps if the write fails."""
+        store = self._direct()
+        if store is not None:
+            started = time.perf_counter()
+            try:
+                record = prepare(store.put_blob)
+                store.add_execution(trajectory_id, record, order_index=order_index)
+                self.written += 1
+                self.write_seconds.append(time.perf_counter() - started)
+                return
+            except Exception:
+                pass  # locked, full, broken...: the thread retries, or keeps it as lost
+        self._idle.clear()
+        self._queue.put(("execution", (trajectory_id, order_index, prepare, fallback)))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until everything handed over so far is written (or kept as lost)."""
+        if threading.current_thread() is self._thread:
+            return True
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._queue.put(("stop", _Stop()))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self.retry_seconds if self.lost else None)
+            except queue.Empty:
+                self._retry_lost()
+                continue
+            kind, payload = item
+            if kind == "stop":
+                self._retry_lost()
+                return
+            try:
+                if kind == "trajectory":
+                    self._store()
+                elif kind == "execution":
+                    self._execution(*payload)
+                else:
+                    store = self._store()
+                    if store is not None:
+                        self._locked(partial(payload, store))
+            except BaseException as e:  # noqa: B036 - the thread must go on
+                self.failures += 1
+                self._report("a recorder write failed", e)
+            finally:
+                if self._queue.empty():
+                    self._idle.set()
+
+    def _store(self) -> Any:
+        """The open store with every pending trajectory created, or None."""
+        if self.store is None:
+            try:
+                self.store = self._open_store(_BUSY_TIMEOUT)
+            except BaseException as e:  # noqa: B036
+                self.last_error = f"cannot open the trajectory store: {_describe(e)}"
+                return None
+        for tid, make_fields in list(self._trajectories.items()):
+            try:
+                fields = make_fields()
+                self._locked(partial(self.store.create_trajectory, trajectory_id=tid, **fields))
+            except sqlite3.IntegrityError:
+                pass  # already there (a retry after a commit whose answer was lost)
+            except BaseException as e:  # noqa: B036
+                self.last_error = f"cannot create the trajectory: {_describe(e)}"
+                return None
+            del self._trajectories[tid]
+        return self.store
+
+    def _locked(self, call: Callable[[], Any]) -> Any:
+        """Run a store call under fork_lock; a locked database is retried for a while."""
+        deadline = time.monotonic() + self.locked_retry_seconds
+        pause = 0.005
+        while True:
+            try:
+                with self.fork_lock:
+                    return call()
+            except sqlite3.OperationalError as e:
+                if not _is_locked(e) or time.monotonic() > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def _execution(
+        self,
+        trajectory_id: str,
+        order_index: int,
+        prepare: Callable[[Callable[[bytes], str]], dict[str, Any]],
+        fallback: dict[str, Any],
+    ) -> None:
+        started = time.perf_counter()
+        store = self._store()
+        if store is not None and self.lost:
+            self._retry_lost()
+        if store is None or self.lost:
+            reason = self.last_error or "the store is not writable"
+            self.failures += 1
+            self._report("recording the execution failed", _Unwritable(reason))
+            self._keep_lost(trajectory_id, order_index, fallback, reason)
+            return
+        try:
+            record = prepare(lambda data: self._locked(partial(store.put_blob, data)))
+        except BaseException as e:  # noqa: B036 - the row is written without its outputs
+            self._report("preparing the execution's outputs failed", e)
+            record = dict(fallback)
+            record["detail"] = f"outputs not recorded: {_describe(e)}"
+        try:
+            self._locked(
+                partial(store.add_execution, trajectory_id, record, order_index=order_index)
+            )
+            self.written += 1
+        except sqlite3.IntegrityError as e:
+            if store.execution_id(trajectory_id, order_index) is None:
+                self._lose(trajectory_id, order_index, fallback, e)
+        except BaseException as e:  # noqa: B036
+            self._lose(trajectory_id, order_index, fallback, e)
+        self.write_seconds.append(time.perf_counter() - started)
+
+    def _lose(
+        self, trajectory_id: str, order_index: int, fallback: dict[str, Any], error: BaseException
+    ) -> None:
+        self.failures += 1
+        self.last_error = f"the execution could not be written: {_describe(error)}"
+        self._report("recording the execution failed", error)
+        self._keep_lost(trajectory_id, order_index, fallback, self.last_error)
+        if _is_broken(error):
+            self._reopen()
+
+    def _keep_lost(
+        self, trajectory_id: str, order_index: int, fallback: dict[str, Any], reason: str
+    ) -> None:
+        record = {k: v for k, v in fallback.items() if k != "outputs"}
+        source = record.get("source") or ""
+        if len(source) > _MAX_SOURCE_KEPT:
+            record["source"] = source[:_MAX_SOURCE_KEPT]
+        if len(self.lost) == self.lost.maxlen:
+            self.lost_dropped += 1
+        self.lost.append((trajectory_id, order_index, record, reason))
+
+    def _retry_lost(self) -> None:
+        """Write the lost executions as `lost` rows, oldest first, while the store takes them."""
+        store = self._store()
+        while store is not None and self.lost:
+            trajectory_id, order_index, record, reason = self.lost[0]
+            row = dict(record)
+            row.update(
+                status="lost", outputs=[], snapshot_status="none", detail=reason or "not written"
+            )
+            try:
+                self._locked(
+                    partial(store.add_execution, trajectory_id, row, order_index=order_index)
+                )
+            except sqlite3.IntegrityError:
+                pass  # that place is taken: the execution was written after all
+            except BaseException as e:  # noqa: B036
+                self.last_error = f"the execution could not be written: {_describe(e)}"
+                if _is_broken(e):
+                    self._reopen()
+                return
+            self.lost.popleft()
+
+    def _reopen(self) -> None:
+        store, self.store = self.store, None
+        try:
+            if store is not None:
+                store.close()
+        except Exception:
+            pass
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error)[:300]}"
+
+
+def _is_locked(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "locked" in text or "busy" in text
+
+
+def _is_broken(error: BaseException) -> bool:
+    """Errors after which the connection is not worth keeping (the file changed under it)."""
+    text = str(error).lower()
+    return any(w in text for w in ("malformed", "not a database", "disk i/o", "readonly"))

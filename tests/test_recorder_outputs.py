@@ -1,0 +1,296 @@
+"""Every output a kernel can publish is recorded as the frontend received it, or stubbed with the
+reason; the execution is recorded either way. Real kernel, IPython's own display machinery,
+and a property test (hypothesis) over odd payloads handed to `publish_display_data` and
+`_repr_mimebundle_`."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jupyter_themisto.kernel.outputs import resolve_blob_refs
+
+from .test_recorder_kernel import RecordingKernel
+
+DISPLAYED = ("display_data", "execute_result", "update_display_data")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    store = tmp_path_factory.mktemp("outputs") / "trajectories.sqlite"
+    k = RecordingKernel(store, ["--ThemistoRecorder.snapshot_mode=off"])
+    k.run("%matplotlib inline")
+    yield k
+    k.shutdown()
+
+
+def _unb64(value):
+    """base64 text without the line breaks some encoders add."""
+    return "".join(value.split()) if isinstance(value, str) else value
+
+
+def _plain(bundle):
+    return {
+        k: _unb64(v) if k.startswith("image/") or k == "application/pdf" else v
+        for k, v in bundle.items()
+    }
+
+
+def _same(out, msg):
+    meta = dict(out.get("metadata") or {})
+    themisto = meta.pop("themisto", None)
+    if themisto and set(themisto) - {"update"}:
+        return False
+    theirs = {k: v for k, v in msg.get("metadata", {}).items() if k != "themisto"}
+    return _plain(out["data"]) == _plain(msg["data"]) and meta == theirs
+
+
+def _subsequence(kept, seen):
+    found, i = [], 0
+    for out in kept:
+        if i < len(seen) and _same(out, seen[i]):
+            found.append(out)
+            i += 1
+    return found
+
+
+def check_recorded(kernel, done):
+    """The execution is recorded; each display the frontend got is recorded as it got it;
+    whatever else was recorded is a stub naming why; returns (the row, the stubs)."""
+    row = kernel.execution(done.msg_id)
+    assert row["status"] in ("ok", "error")
+    json.dumps(row["outputs"], allow_nan=False)  # strict JSON, as a browser parses it
+    with kernel.store() as store:
+        recorded = [
+            resolve_blob_refs(o, store.get_blob)
+            for o in row["outputs"]
+            if o["output_type"] in DISPLAYED
+        ]
+    seen = [c for kind, c in done.outputs if kind in DISPLAYED]
+    kept, stubs = [], []
+    for out in recorded:
+        unrecorded = out.get("metadata", {}).get("themisto", {}).get("unrecorded")
+        if (
+            unrecorded
+            and list(out["data"]) == ["text/plain"]
+            and "[themisto:" in (out["data"]["text/plain"])
+        ):
+            assert all(isinstance(r, str) and r for r in unrecorded.values())
+            stubs.append(out)
+        else:
+            kept.append(out)
+    if done.reply["status"] != "ok" and len(kept) > len(seen):
+        # The kernel failed to send one (e.g. too deep for its recursion limit where it sent
+        # it): the attempt may be recorded too. What the frontend got is there, in order.
+        kept = _subsequence(kept, seen)
+    assert len(kept) == len(seen), (kept, seen)
+    for out, msg in zip(kept, seen, strict=True):
+        assert _same(out, msg), (out, msg)
+    return row, stubs
+
+
+FORMATTERS = r"""
+import math, io
+import numpy as np, pandas as pd, sympy
+import matplotlib.pyplot as plt
+from PIL import Image
+from IPython.display import display, publish_display_data
+
+png = Image.new("RGB", (40, 30), (200, 10, 10))
+buf = io.BytesIO(); png.save(buf, format="PNG"); png_bytes = buf.getvalue()
+
+class Everything:
+    def _repr_png_(self): return png_bytes
+    def _repr_jpeg_(self):
+        b = io.BytesIO(); png.save(b, format="JPEG"); return b.getvalue()
+    def _repr_svg_(self): return "<svg xmlns='http://www.w3.org/2000/svg'/>"
+    def _repr_pdf_(self): return b"%PDF-1.4 fake pdf bytes"
+    def _repr_json_(self): return {"nan": float("nan"), 1: np.int64(2), "inf": np.float32("inf")}
+    def _repr_latex_(self): return r"$\alpha$"
+    def _repr_markdown_(self): return "**md**"
+    def _repr_javascript_(self): return "console.log(1)"
+    def _repr_html_(self): return "<b>html</b>"
+    def __repr__(self): return "Everything()"
+
+class Widgety:
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return ({"application/vnd.jupyter.widget-view+json":
+                    {"model_id": "abc", "version_major": 2, "version_minor": 0},
+                 "application/x-custom": {"values": (1, 2, {3, 4})},
+                 "text/plain": "Widgety()"}, {"application/x-custom": {"tuple": (1,)}})
+
+sympy.init_printing()
+x = sympy.symbols("x")
+display(Everything())
+display(Widgety())
+display(sympy.Integral(sympy.sqrt(1 / x), x))
+display(pd.DataFrame({"a": [1.5, float("nan")], "b": ["x", None]}))
+display(png)
+fig, ax = plt.subplots(); ax.plot([1, 3, 2]); plt.show()
+publish_display_data({"text/plain": "raw", "application/json": {"k": b"raw bytes"},
+                      "image/png": png_bytes})
+h = display("first", display_id=True)
+h.update("second")
+np.float32(1.5)
+"""
+
+
+def test_every_formatter_type_is_recorded(kernel):
+    done = kernel.run(FORMATTERS)
+    assert done.reply["status"] == "ok", done.outputs
+    row, stubs = check_recorded(kernel, done)
+    assert not stubs
+    outputs = [o for o in row["outputs"] if o["output_type"] != "stream"]
+    kinds = [o["output_type"] for o in outputs]
+    assert kinds.count("display_data") >= 9 and kinds[-1] == "execute_result", row["outputs"]
+    everything = outputs[0]["data"]
+    assert {
+        "image/png",
+        "image/jpeg",
+        "image/svg+xml",
+        "application/pdf",
+        "application/json",
+        "text/latex",
+        "text/markdown",
+        "application/javascript",
+        "text/html",
+    } <= set(everything)
+    # Bytes from the formatters became base64 (blobs when large), as ipykernel sends them.
+    with kernel.store() as store:
+        resolved = resolve_blob_refs(outputs[0], store.get_blob)["data"]
+    assert base64.b64decode(resolved["image/png"]).startswith(b"\x89PNG")
+    assert base64.b64decode(resolved["application/pdf"]) == b"%PDF-1.4 fake pdf bytes"
+    assert everything["application/json"] == {"nan": "nan", "1": 2, "inf": "np.float32(inf)"}
+    widget = outputs[1]["data"]
+    assert widget["application/vnd.jupyter.widget-view+json"]["model_id"] == "abc"
+    assert outputs[1]["metadata"] == {"application/x-custom": {"tuple": [1]}}
+    sympy_out = outputs[2]["data"]
+    assert "text/latex" in sympy_out or "image/png" in sympy_out
+    assert outputs[-1]["data"] == {"text/plain": "np.float32(1.5)"}
+    updates = [o for o in outputs if o.get("metadata", {}).get("themisto", {}).get("update")]
+    assert [u["data"]["text/plain"] for u in updates] == ["'second'"]
+
+
+def test_values_no_frontend_could_get_become_stubs_and_the_row_stays(kernel):
+    done = kernel.run(
+        "from IPython.display import publish_display_data\n"
+        "class Opaque: pass\n"
+        "publish_display_data({'text/plain': 'ok', 'application/x-custom': Opaque()})\n"
+        "deep = []\n"
+        "for _ in range(100_000): deep = [deep]\n"
+        "publish_display_data({'text/plain': 'deep', 'application/json': deep})\n"
+        "print('after')"
+    )
+    row = kernel.execution(done.msg_id)
+    assert row is not None and row["status"] in ("ok", "error")
+    texts = [o.get("text", "") for o in row["outputs"] if o["output_type"] == "stream"]
+    if done.reply["status"] == "ok":
+        assert "after\n" in texts
+    stubbed = [
+        o for o in row["outputs"] if o.get("metadata", {}).get("themisto", {}).get("unrecorded")
+    ]
+    assert stubbed, row["outputs"]
+    for o in stubbed:
+        for reason in o["metadata"]["themisto"]["unrecorded"].values():
+            assert reason  # says why
+    json.dumps(row["outputs"], allow_nan=False)
+    # The kernel and the recorder go on.
+    after = kernel.run("21 * 2")
+    assert kernel.execution(after.msg_id)["outputs"][0]["data"]["text/plain"] == "42"
+
+
+# -- a property test: whatever the payload, the execution is recorded faithfully --------------
+
+LEAVES = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70).map(repr),
+    st.floats(allow_nan=True, allow_infinity=True).map(lambda f: f"float({str(f)!r})"),
+    st.text(max_size=20).map(repr),
+    st.binary(max_size=40).map(repr),
+    st.sampled_from(
+        [
+            "None",
+            "True",
+            "np.float32(0.5)",
+            "np.int64(7)",
+            "np.float64('nan')",
+            "np.bool_(True)",
+            "np.array([1, 2])",
+            "datetime.date(2024, 1, 2)",
+            "datetime.datetime(2024, 1, 2, 3, 4)",
+            "object()",
+            "Decimal('1.5')",
+            "complex(1, 2)",
+            "{1, 2}",
+            "frozenset({'a'})",
+            "range(3)",
+        ]
+    ),
+)
+KEYS = st.one_of(
+    st.text(max_size=8).map(repr),
+    st.integers(min_value=-5, max_value=5).map(repr),
+    st.sampled_from(["None", "True", "(1, 2)", "1.5", "'1'"]),
+)
+PAYLOADS = st.recursive(
+    LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4).map(lambda xs: "[" + ", ".join(xs) + "]"),
+        st.lists(inner, max_size=3).map(lambda xs: "(" + "".join(x + ", " for x in xs) + ")"),
+        st.lists(st.tuples(KEYS, inner), max_size=4).map(
+            lambda kv: "{" + ", ".join(f"{k}: {v}" for k, v in kv) + "}"
+        ),
+        st.integers(min_value=1, max_value=4000).map(lambda n: f"nest({n})"),
+    ),
+    max_leaves=12,
+)
+MIMES = st.sampled_from(
+    [
+        "application/json",
+        "application/x-custom",
+        "application/vnd.custom+json",
+        "image/png",
+        "text/html",
+        "application/vnd.jupyter.widget-view+json",
+    ]
+)
+HOW = st.sampled_from(["publish", "mimebundle", "metadata"])
+
+PRELUDE = (
+    "import datetime\nimport numpy as np\nfrom decimal import Decimal\n"
+    "from IPython.display import display, publish_display_data\n"
+    "def nest(n):\n    v = []\n    for _ in range(n): v = [v]\n    return v\n"
+    "class Bundle:\n"
+    "    def __init__(self, data, meta): self.data, self.meta = data, meta\n"
+    "    def _repr_mimebundle_(self, include=None, exclude=None): return self.data, self.meta\n"
+)
+
+
+def _cell(how, mime, payload):
+    if how == "publish":
+        return f"publish_display_data({{'text/plain': 'p', {mime!r}: {payload}}})"
+    if how == "mimebundle":
+        return f"Bundle({{'text/plain': 'b', {mime!r}: {payload}}}, {{}})"
+    return f"display(Bundle({{'text/plain': 'm'}}, {{{mime!r}: {payload}}}))"
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(how=HOW, mime=MIMES, payload=PAYLOADS)
+def test_any_payload_is_recorded_or_stubbed_with_a_reason(kernel, how, mime, payload):
+    kernel.run(PRELUDE)
+    done = kernel.run(_cell(how, mime, payload))
+    row, stubs = check_recorded(kernel, done)
+    if done.reply["status"] == "ok":
+        # The kernel sent the output: it is recorded, not stubbed.
+        assert not stubs, (payload, stubs)
+    else:
+        # The kernel could not send it (the person saw an error): a stub says why.
+        assert row["status"] == "error"
