@@ -77,7 +77,7 @@ def test_the_preview_is_alone_in_its_namespaces(kernel):
         "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
         "print(sorted(os.listdir('/sys/class/net')))\n"
         "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
-        "print(os.getuid() == %d, socket.gethostname() == %r)" % (os.getuid(), socket.gethostname())
+        f"print(os.getuid() == {os.getuid()}, socket.gethostname() == {socket.gethostname()!r})"
     )
     assert text_of(reply) == "1 0\n[1]\n['lo']\n0000000000000000\nTrue True\n", reply
 
@@ -266,10 +266,11 @@ def test_memory_beyond_the_limit_is_stopped(kernel):
     reply = kernel.preview("big = b'x' * (64 * 2**30)\nlen(big)", memory_mb=256)
     assert reply["stopped"][0].startswith("use more than"), reply
     # Memory outside the process: a memfd, files in the private overlay, /dev/shm.
+    fill = "for _ in range(200):\n    f.write(b'x' * 2**22)"
     for cell in (
-        "import os\nfd = os.memfd_create('m')\nfor _ in range(200):\n    os.write(fd, b'x' * 2**22)",
-        "with open('fill.bin', 'wb') as f:\n    for _ in range(200):\n        f.write(b'x' * 2**22)",
-        "with open('/dev/shm/fill', 'wb') as f:\n    for _ in range(200):\n        f.write(b'x' * 2**22)",
+        "import os\nf = open(os.memfd_create('m'), 'wb')\n" + fill,
+        "f = open('fill.bin', 'wb')\n" + fill,
+        "f = open('/dev/shm/fill', 'wb')\n" + fill,
     ):
         reply = kernel.preview(cell + "\nimport time; time.sleep(3)", memory_mb=256)
         assert reply["stopped"] in (

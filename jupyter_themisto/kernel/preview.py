@@ -245,7 +245,7 @@ def _child(
             reply["outputs"] = reply["outputs"][:1]
             reply["truncated"] = True
             data = json.dumps(reply, default=repr).encode()[:MAX_PAYLOAD]
-        _write_all(wfd, data)
+        _write_all(wfd, b"\n" + data)
     finally:
         os._exit(0)
 
@@ -371,7 +371,12 @@ class _Watch:
 
 
 def _describe_status(
-    status: int | None, timeout: float, cpu_seconds: int, killed: str | None, memory_mb: int
+    status: int | None,
+    timeout: float,
+    cpu_seconds: int,
+    killed: str | None,
+    memory_mb: int,
+    garbled: bool = False,
 ) -> str:
     if killed == "memory":
         return f"use more than {memory_mb} MB of memory"
@@ -379,15 +384,17 @@ def _describe_status(
         return f"run longer than {timeout:g} s"
     if killed == "reply":
         return f"show more than {MAX_REPLY >> 20} MB of output"
-    if status is None:
-        return "end without a reply"
-    if os.WIFSIGNALED(status):
+    if status is not None and os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if sig == signal.SIGXCPU:
             return f"use more than {cpu_seconds} s of CPU time"
         if sig == signal.SIGSYS:
             return "make a system call the sandbox forbids"
         return f"crash the kernel (signal {signal.Signals(sig).name})"
+    if garbled:
+        return "write over its reply to the kernel"
+    if status is None:
+        return "end without a reply"
     return f"exit early (status {os.WEXITSTATUS(status)})"
 
 
@@ -490,12 +497,16 @@ def run_preview(
     header = watch.header or {}
     if "unavailable" in header:
         return _unsupported(str(header["unavailable"]), fork_ms=fork_ms)
-    reply: dict[str, Any]
+    reply: Any
+    # The reply is the last line (JSON has no raw newline): whatever the cell itself wrote
+    # into the pipe before it is not the reply.
+    last = bytes(watch.reply).rstrip().rpartition(b"\n")[2]
     try:
-        reply = json.loads(bytes(watch.reply)) if watch.reply else {}
+        reply = json.loads(last) if last else {}
     except (ValueError, RecursionError):
-        reply = {}
-    if not isinstance(reply, dict):
+        reply = None
+    garbled = not isinstance(reply, dict)
+    if garbled:
         reply = {}
     if not reply or watch.killed:
         partial = reply
@@ -503,7 +514,9 @@ def run_preview(
             "outputs": partial.get("outputs", []),
             "sandbox": partial.get("sandbox", {}),
             "status": "ok",
-            "stopped": [_describe_status(status, timeout, cpu_seconds, watch.killed, memory_mb)],
+            "stopped": [
+                _describe_status(status, timeout, cpu_seconds, watch.killed, memory_mb, garbled)
+            ],
         }
     reply["fork_ms"] = fork_ms
     reply["elapsed_ms"] = (time.perf_counter() - t0) * 1000

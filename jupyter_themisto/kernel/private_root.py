@@ -241,6 +241,9 @@ def _fresh_dev(dev: str, scratch: str) -> list[str]:
     os.mkdir(f"{scratch}/shm", 0o1777)
     os.chmod(f"{scratch}/shm", 0o1777)
     _mount(f"{scratch}/shm", f"{dev}/shm", None, MS_BIND)
+    os.mkdir(f"{dev}/mqueue")
+    # POSIX message queues of its own IPC namespace (a Landlock rule needs them in the tree).
+    _mount("mqueue", f"{dev}/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.mkdir(f"{dev}/pts")
     # A terminal of its own (IPython runs `!cmd` under a pseudo-terminal).
     _mount(
@@ -314,7 +317,7 @@ def build(*, scratch_bytes: int, sysctls: dict[str, str]) -> tuple[PrivateRoot, 
         _mount("sysfs", f"{new}/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
         _read_only_bind("/sys", f"{new}/sys", recursive=True)
-    root.writable.append("/dev/shm")
+    root.writable += ["/dev/shm", "/dev/mqueue"]
     root.devices = devices
     root.scratch_fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     os.chdir(new)

@@ -72,7 +72,7 @@ def enter_namespaces() -> None:
         check(libc.unshare(_NAMESPACES), "unshare")
     except OSError as e:
         raise Unavailable(
-            f"new user, mount, network, IPC, PID and UTS namespaces ({os.strerror(e.errno)})"
+            f"new user, mount, network, IPC, PID and UTS namespaces ({os.strerror(e.errno or 0)})"
         ) from None
     for name, value in (
         ("setgroups", "deny"),
@@ -83,7 +83,9 @@ def enter_namespaces() -> None:
             with open(f"/proc/self/{name}", "w") as fh:
                 fh.write(value)
         except OSError as e:
-            raise Unavailable(f"a user namespace map ({name}: {os.strerror(e.errno)})") from None
+            raise Unavailable(
+                f"a user namespace map ({name}: {os.strerror(e.errno or 0)})"
+            ) from None
 
 
 # -- descriptors ------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ class _Mapping:
 def _shared_mappings() -> list[_Mapping]:
     """The process's shared mappings: asked one by one where Linux answers PROCMAP_QUERY
     (much faster than formatting all of /proc/self/maps), else read from /proc/self/maps."""
-    found = []
+    found: list[_Mapping] = []
     with open("/proc/self/maps", "rb", buffering=0) as fh:
         name = ctypes.create_string_buffer(4096)
         q = _ProcmapQuery()
@@ -517,8 +519,9 @@ def apply_landlock(root: private_root.PrivateRoot) -> str:
 
 # -- seccomp ----------------------------------------------------------------------------------
 
-#: what a Python computation needs (numpy, pandas, matplotlib, threads, subprocesses); anything
-#: else fails with EPERM. Names unknown on an architecture are skipped.
+#: what a Python computation needs (numpy, pandas, matplotlib, threads, subprocesses, System V
+#: and POSIX IPC, which die with the preview's IPC namespace); anything else fails with EPERM.
+#: Names unknown on an architecture are skipped.
 _ALLOWED = """
 read write readv writev pread64 pwrite64 preadv pwritev preadv2 pwritev2 lseek close close_range
 open openat openat2 creat stat fstat lstat newfstatat statx fstatfs statfs access faccessat
@@ -546,6 +549,8 @@ epoll_create epoll_create1 epoll_ctl epoll_wait epoll_pwait epoll_pwait2 poll pp
 pselect6 getrandom restart_syscall ioprio_get getcpu
 listen accept accept4 getsockname getpeername getsockopt setsockopt shutdown recvfrom recvmsg
 recvmmsg
+shmget shmat shmdt shmctl semget semop semtimedop semctl msgget msgsnd msgrcv msgctl mq_open
+mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr
 """
 #: starting processes and running programs (only where the PID namespace bounds their number)
 _PROCESSES = "fork vfork execve execveat"
