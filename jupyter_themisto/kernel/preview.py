@@ -271,9 +271,9 @@ def _monitor(
     programs: dict,
 ) -> None:
     """The kernel's direct child: creates the namespaces, forks the preview's first process
-    into them, tells the kernel its pid, and when the kernel closes its end of `ctl` (done,
-    deadline, a bound passed, or the kernel itself gone) kills the whole namespace and reports
-    how that process ended. Runs no user code. Never returns."""
+    into them, tells the kernel its pid, answers its questions about memory, and when the kernel
+    closes its end of `ctl` (done, deadline, a bound passed, or the kernel itself gone) kills the
+    whole namespace and reports how that process ended. Runs no user code. Never returns."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the kernel's
         sandbox.prctl(sandbox.PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -291,8 +291,11 @@ def _monitor(
         # Hold nothing of the kernel's while waiting.
         os.closerange(0, ctl)
         os.closerange(ctl + 1, os.sysconf("SC_OPEN_MAX"))
-        while os.read(ctl, 4096):
-            pass
+        # The kernel asks for what it cannot see from outside: the System V shared memory of
+        # the preview's IPC namespace, which this process shares.
+        while request := os.read(ctl, 4096):
+            if b"M" in request:
+                os.write(ctl, f"M {sandbox.sysv_shared_memory()}\n".encode())
         try:
             os.kill(pid, signal.SIGKILL)  # the first process: the namespace goes with it
         except ProcessLookupError:
@@ -362,12 +365,22 @@ class _Watch:
                         self.header = {}
             elif self.child is not None:
                 scratch = self.header.get("scratch_fd") if self.header else None
-                used = sandbox.namespace_memory(
-                    self.child, scratch if isinstance(scratch, int) else None
-                )
+                if not isinstance(scratch, int):
+                    scratch = None
+                used = sandbox.namespace_memory(self.child, scratch)
+                if used is not None and scratch is not None:
+                    used += self.sysv_shared_memory()
                 if used is not None and used > self.memory:
                     self.killed = "memory"
                     return
+
+    def sysv_shared_memory(self) -> int:
+        """The System V shared memory of the preview's IPC namespace, asked of the monitor."""
+        os.write(self.ctl, b"M\n")
+        line = self.ctl_line(time.monotonic() + 0.5)
+        if line and line.startswith("M "):
+            return int(line[2:])
+        return 0
 
 
 def _describe_status(
@@ -482,9 +495,11 @@ def run_preview(
         except OSError:
             pass
         if watch.child is not None:
-            line = watch.ctl_line(time.monotonic() + 5)
-            if line and line.startswith("S "):
-                status = int(line[2:])
+            until = time.monotonic() + 5
+            while (line := watch.ctl_line(until)) is not None:
+                if line.startswith("S "):
+                    status = int(line[2:])
+                    break
         try:
             if not finished or watch.child is not None and status is None:
                 os.kill(pid, signal.SIGKILL)

@@ -752,6 +752,22 @@ def namespace_memory(pid: int, scratch_fd: int | None) -> int | None:
     return total
 
 
+def sysv_shared_memory() -> int:
+    """Bytes of System V shared memory in the caller's IPC namespace (resident or swapped),
+    attached or not."""
+    total = 0
+    try:
+        with open("/proc/sysvipc/shm") as fh:
+            names = fh.readline().split()
+            rss, swap = names.index("rss"), names.index("swap")
+            for line in fh:
+                f = line.split()
+                total += int(f[rss]) + int(f[swap])
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
+
+
 # -- naming what a cell tried -----------------------------------------------------------------
 
 _NETWORK_EVENTS = ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg")
