@@ -22,6 +22,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -36,6 +37,9 @@ DEFAULT_CPU_SECONDS = 10
 MAX_PAYLOAD = 4 * 2**20
 #: the most the kernel reads from a preview (more: the preview is killed and stopped)
 MAX_REPLY = MAX_PAYLOAD + 2**16
+#: what ends a reply (JSON escapes control characters, so it never holds this): the kernel
+#: need not wait for the preview's processes to exit
+REPLY_END = b"\n\x04"
 #: how often the kernel checks the child's memory while it runs (seconds)
 MEMORY_POLL = 0.02
 
@@ -167,7 +171,13 @@ def _error_output(shell: Any, exc: BaseException) -> dict[str, Any]:
 
 
 def _child(
-    shell: Any, source: str, wfd: int, memory_mb: int, cpu_seconds: int, programs: dict
+    shell: Any,
+    source: str,
+    wfd: int,
+    memory_mb: int,
+    cpu_seconds: int,
+    programs: dict,
+    times: dict[str, float],
 ) -> None:
     """The preview's first process (PID 1 of its namespace): isolate, tell the kernel, run the
     cell, send the outputs back. Never returns."""
@@ -191,6 +201,8 @@ def _child(
         reply["sandbox"] = dict(iso.state)
         reply["sandbox"]["memory"] = f"watched by the kernel ({memory_mb} MB)"
         reply["setup_ms"] = (time.perf_counter() - started) * 1000
+        times["isolated"] = time.perf_counter()
+        reply["times"] = times  # (perf_counter readings: one clock for every process)
         # The header: from here on the kernel counts the whole namespace's memory.
         _send(wfd, {"scratch_fd": iso.scratch_fd}, line=True)
         sys.stdout = _Capture("stdout", outputs)
@@ -236,6 +248,7 @@ def _child(
                 )
             outputs.append(_error_output(shell, e))
         reply["cell_time"] = time.perf_counter() - started
+        times["ran"] = time.perf_counter()
     except BaseException as e:
         reply["status"] = "failed"
         reply["detail"] = f"{type(e).__name__}: {e}"
@@ -245,7 +258,7 @@ def _child(
             reply["outputs"] = reply["outputs"][:1]
             reply["truncated"] = True
             data = json.dumps(reply, default=repr).encode()[:MAX_PAYLOAD]
-        _write_all(wfd, b"\n" + data)
+        _write_all(wfd, b"\n" + data + REPLY_END)
     finally:
         os._exit(0)
 
@@ -277,15 +290,18 @@ def _monitor(
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the kernel's
         sandbox.prctl(sandbox.PR_SET_PDEATHSIG, signal.SIGKILL)
+        times = {"monitor": time.perf_counter()}
         try:
             sandbox.enter_namespaces()
         except sandbox.Unavailable as e:
             os.write(ctl, f"E preview unavailable: this Linux lacks {e}\n".encode())
             os._exit(0)
+        times["namespaces"] = time.perf_counter()
         pid = os.fork()
         if pid == 0:
+            times["first process"] = time.perf_counter()
             os.close(ctl)
-            _child(shell, source, wfd, memory_mb, cpu_seconds, programs)
+            _child(shell, source, wfd, memory_mb, cpu_seconds, programs, times)
         os.close(wfd)
         os.write(ctl, f"P {pid}\n".encode())
         # Hold nothing of the kernel's while waiting.
@@ -322,6 +338,7 @@ class _Watch:
         self.header: dict[str, Any] | None = None
         self.child: int | None = None
         self.killed: str | None = None
+        self.complete = False
 
     def ctl_line(self, until: float) -> str | None:
         """The monitor's next line ("P pid", "E reason", "S status"); None at `until` or EOF."""
@@ -353,6 +370,9 @@ class _Watch:
                 self.reply += block
                 if len(self.reply) > MAX_REPLY:
                     self.killed = "reply"
+                    return
+                if self.reply.endswith(REPLY_END):
+                    self.complete = True
                     return
                 if self.header is None and b"\n" in self.reply:
                     line, _, rest = bytes(self.reply).partition(b"\n")
@@ -409,6 +429,13 @@ def _describe_status(
     if status is None:
         return "end without a reply"
     return f"exit early (status {os.WEXITSTATUS(status)})"
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _unsupported(detail: str, **extra: Any) -> PreviewReply:
@@ -490,23 +517,29 @@ def run_preview(
         os.close(rfd)
         # Done, past a bound, or the kernel was interrupted while waiting: the monitor kills
         # the namespace when its end closes, and says how the first process ended.
-        try:
-            ctl_sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-        if watch.child is not None:
-            until = time.monotonic() + 5
-            while (line := watch.ctl_line(until)) is not None:
-                if line.startswith("S "):
-                    status = int(line[2:])
-                    break
-        try:
-            if not finished or watch.child is not None and status is None:
-                os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        ctl_sock.close()
+        if watch.complete and not watch.killed:
+            # The reply is whole: the namespace's teardown (exits of processes holding the
+            # kernel's memory, copy-on-write) is not worth waiting for.
+            ctl_sock.close()
+            threading.Thread(target=_reap, args=(pid,), daemon=True).start()
+        else:
+            try:
+                ctl_sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            if watch.child is not None:
+                until = time.monotonic() + 5
+                while (line := watch.ctl_line(until)) is not None:
+                    if line.startswith("S "):
+                        status = int(line[2:])
+                        break
+            try:
+                if not finished or watch.child is not None and status is None:
+                    os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _reap(pid)
+            ctl_sock.close()
     if refused is not None:
         return _unsupported(refused, fork_ms=fork_ms)
     header = watch.header or {}
@@ -515,7 +548,7 @@ def run_preview(
     reply: Any
     # The reply is the last line (JSON has no raw newline): whatever the cell itself wrote
     # into the pipe before it is not the reply.
-    last = bytes(watch.reply).rstrip().rpartition(b"\n")[2]
+    last = bytes(watch.reply).removesuffix(REPLY_END).rstrip().rpartition(b"\n")[2]
     try:
         reply = json.loads(last) if last else {}
     except (ValueError, RecursionError):
@@ -535,4 +568,15 @@ def run_preview(
         }
     reply["fork_ms"] = fork_ms
     reply["elapsed_ms"] = (time.perf_counter() - t0) * 1000
+    times = reply.pop("times", None)
+    if isinstance(times, dict) and all(isinstance(v, float) for v in times.values()):
+        # How long each step took, from the fork on (ms).
+        steps = ["monitor", "namespaces", "first process", "isolated", "ran"]
+        previous, timing = t0, {}
+        for step in steps:
+            if step in times:
+                timing[step] = round((times[step] - previous) * 1000, 2)
+                previous = times[step]
+        timing["reply"] = round((time.perf_counter() - previous) * 1000, 2)
+        reply["timing_ms"] = timing
     return PreviewReply(reply)

@@ -187,7 +187,6 @@ class _Builder:
                     os.close(fd)
                 continue
             os.mkdir(dst)
-            _copy_owner_and_mode(st, dst)
             fstype = self.mounts.fstype.get(path)
             if path in ("/proc", "/dev", "/sys") or fstype in ("proc", "sysfs", "devtmpfs"):
                 continue  # made afresh by the caller
@@ -202,12 +201,14 @@ class _Builder:
                     _read_only_bind(f"/proc/self/fd/{fd}", dst, recursive=True)
                     self.root.read_only[new_path] = f"a {fstype} file system"
                 elif self.mounts.below(path):
+                    _copy_owner_and_mode(st, dst)  # (no overlay on it: the skeleton shows)
                     self.directory(path, fd, dst)
                 else:
                     try:
                         self.overlay(fd, dst, new_path)
                     except OSError as e:
                         # (a file system overlayfs does not take as a lower layer)
+                        _copy_owner_and_mode(st, dst)
                         _read_only_bind(f"/proc/self/fd/{fd}", dst, recursive=True)
                         self.root.read_only[new_path] = str(e)
             finally:

@@ -106,11 +106,13 @@ class Descriptor:
 
 def _describe(target: str, mode: int, flags: int) -> str:
     if stat.S_ISSOCK(mode):
-        return f"a socket ({target})"
+        return "a socket"
     if stat.S_ISFIFO(mode):
-        return f"a pipe ({target})"
+        return "a pipe"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return f"a device ({target})"
+        return "a device"
+    if not target:
+        return "a handle"
     if stat.S_ISREG(mode) and flags & os.O_ACCMODE != os.O_RDONLY:
         return f"a file open for writing ({target})"
     if target.endswith(" (deleted)"):
@@ -128,6 +130,10 @@ def inventory_descriptors(keep: set[int]) -> list[Descriptor]:
             continue
         try:
             st = os.fstat(fd)
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                # A socket, pipe, device or anonymous inode: a stub, whatever it is.
+                found.append(Descriptor(fd, "", _describe("", st.st_mode, 0)))
+                continue
             target = os.readlink(f"/proc/self/fd/{fd}")
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
             if fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC:
@@ -135,8 +141,7 @@ def inventory_descriptors(keep: set[int]) -> list[Descriptor]:
         except OSError:
             continue  # (the descriptor listdir itself used)
         readable_file = (
-            (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
-            and target.startswith("/")
+            target.startswith("/")
             and not target.endswith(" (deleted)")
             and flags & os.O_ACCMODE == os.O_RDONLY
         )
@@ -915,44 +920,44 @@ def stub_handles(namespace: dict[str, Any], stubbed: dict[int, str], stopped: li
     seen: set[int] = set()
     found = 0
 
-    def visit(obj: Any, depth: int) -> None:
+    def visit(obj: Any) -> None:
         nonlocal found
-        if id(obj) in seen or len(seen) > 100_000:
+        if not isinstance(obj, (socket.socket, io.IOBase)) or id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, (socket.socket, io.IOBase)):
+        try:
+            fd = obj.fileno()
+        except Exception:
+            return
+        if fd not in stubbed:
+            return
+        found += 1
+        if isinstance(obj, socket.socket):
             try:
-                fd = obj.fileno()
-            except Exception:
-                return
-            if fd not in stubbed:
-                return
-            found += 1
-            what = f"use {stubbed[fd]}, which the kernel holds open"
-            if isinstance(obj, socket.socket):
-                try:
-                    obj.__class__ = _StubSocket
-                except TypeError:
-                    pass
-                return
-            for name in _IO_METHODS:
-                try:
-                    setattr(obj, name, _stopper(what, stopped))
-                except (AttributeError, TypeError):
-                    pass
+                obj.__class__ = _StubSocket
+            except TypeError:
+                pass
             return
-        if depth >= 2:
-            return
-        if isinstance(obj, dict):
-            values: Any = list(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            values = list(obj)[:10_000]
-        else:
-            values = list(getattr(obj, "__dict__", {}).values()) if hasattr(obj, "__dict__") else []
-        for v in values:
-            visit(v, depth + 1)
+        what = f"use {stubbed[fd]}, which the kernel holds open"
+        for name in _IO_METHODS:
+            try:
+                setattr(obj, name, _stopper(what, stopped))
+            except (AttributeError, TypeError):
+                pass
 
+    # The namespace's values, the members of its small containers, the attributes of objects
+    # of the person's own classes: few objects touched (each touch copies a page of the
+    # kernel's memory into the child).
     for value in list(namespace.values()):
-        if not isinstance(value, type(sys)):
-            visit(value, 0)
+        visit(value)
+        if isinstance(value, dict) and len(value) <= 1000:
+            members: Any = value.values()
+        elif isinstance(value, (list, tuple, set)) and len(value) <= 1000:
+            members = value
+        elif getattr(type(value), "__module__", None) == "__main__":
+            members = getattr(value, "__dict__", {}).values()
+        else:
+            continue
+        for member in list(members):
+            visit(member)
     return found
