@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -97,9 +98,13 @@ async def notebook(path: Path, store_path: Path, counts: Counts, args: argparse.
     try:
         nb = nbformat.read(str(path), as_version=4)
         done = 0
+        until = time.monotonic() + args.notebook_timeout
         for cell in nb.cells:
             if cell.cell_type != "code" or not cell.source.strip():
                 continue
+            if time.monotonic() > until:
+                print(f"  {path.name}: past {args.notebook_timeout:g} s; the rest is left out")
+                return
             rows: list[dict[str, Any]] = []
             variables: list[dict[str, Any]] = []
             tid = None
@@ -152,6 +157,7 @@ async def main() -> None:
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     ap.add_argument("--timeout", type=float, default=5.0, help="the preview's timeout (s)")
     ap.add_argument("--cell-timeout", type=float, default=120.0, help="a real cell's limit (s)")
+    ap.add_argument("--notebook-timeout", type=float, default=600.0, help="per notebook (s)")
     ap.add_argument("--misses", type=int, default=0, help="print the first N preview misses")
     args = ap.parse_args()
     args.backends = [b for b in args.backends.split(",") if b]
@@ -171,11 +177,19 @@ async def main() -> None:
         paths = paths[: args.limit]
     counts = Counts()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, path in enumerate(paths):
-            print(f"[{i + 1}/{len(paths)}] {path}", flush=True)
-            await notebook(path.resolve(), Path(tmp) / f"store{i}.sqlite", counts, args)
-    print(f"\n{len(paths)} notebooks in {time.monotonic() - started:.0f} s")
+    finished = 0
+    # (stopped early, by Ctrl+C or a SIGTERM, it prints what it has counted)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, path in enumerate(paths):
+                print(f"[{i + 1}/{len(paths)}] {path}", flush=True)
+                await notebook(path.resolve(), Path(tmp) / f"store{i}.sqlite", counts, args)
+                finished += 1
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("stopped early")
+    print(f"\n{finished} of {len(paths)} notebooks in {time.monotonic() - started:.0f} s")
+    print(f"load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print("| cells | backend | cells with text output | answered | exact match | exact, masked |")
     print("|---|---|---|---|---|---|")
     for (group, name), (total, answered, em, masked) in sorted(counts.rows.items()):

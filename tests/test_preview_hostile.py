@@ -549,6 +549,7 @@ CELLS: list[tuple[str, str]] = [
         "a huge reply written to the reply pipe",
         "import stat\nfor fd in range(3, 300):\n    try:\n        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n            for _ in range(4096): os.write(fd, b'x' * (1 << 20))\n    except OSError: pass",
     ),
+    ("an 8 MB printed output", "for _ in range(128):\n    print('x' * (1 << 16))"),
     ("a huge printed output", "for _ in range(1 << 14):\n    print('x' * (1 << 16))"),
     (
         "an endless C-level loop ignoring signals",
@@ -752,6 +753,7 @@ EXPECT = {
     "memfd written, unmapped, beyond the bound": "use more than 512 MB of memory",
     "shm segments beyond the bound": "use more than 512 MB of memory",
     "a huge reply written to the reply pipe": "show more than 4 MB of output",
+    "an 8 MB printed output": "show more than 4 MB of output",
     "an endless C-level loop ignoring signals": "run longer than 3 s",
     "escape the parent death signal and outlive the deadline": "run longer than 3 s",
     "TCP connect to the test's server": "open a network connection",

@@ -56,11 +56,16 @@ class PreviewReply(dict):
 
 
 class _Capture(io.TextIOBase):
-    """A stream (stdout or stderr) that appends to the preview's output list."""
+    """A stream (stdout or stderr) that appends to the preview's output list. Past MAX_PAYLOAD
+    characters in all it stops the preview (the kernel would read no more)."""
 
-    def __init__(self, name: str, outputs: list[dict[str, Any]]):
+    total = 0
+
+    def __init__(self, name: str, outputs: list[dict[str, Any]], stopped: list[str]):
         self.name = name
         self._outputs = outputs
+        self._stopped = stopped
+        self._parts: list[str] | None = None  # of the last output, while it is this stream's
 
     def writable(self) -> bool:
         return True
@@ -71,13 +76,27 @@ class _Capture(io.TextIOBase):
     def write(self, s: str) -> int:
         if not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        if s:
-            last = self._outputs[-1] if self._outputs else None
-            if last and last.get("output_type") == "stream" and last.get("name") == self.name:
-                last["text"] += s
-            else:
-                self._outputs.append({"output_type": "stream", "name": self.name, "text": s})
+        if not s:
+            return 0
+        _Capture.total += len(s)
+        if _Capture.total > MAX_PAYLOAD:
+            what = f"show more than {MAX_PAYLOAD >> 20} MB of output"
+            self._stopped.append(what)
+            raise sandbox.PreviewStopped(f"preview stopped: the cell would {what}")
+        last = self._outputs[-1] if self._outputs else None
+        parts = self._parts
+        if parts is not None and last is not None and id(last.get("text")) == id(parts):
+            parts.append(s)  # (the same stream's output, not cleared, nothing in between)
+        else:
+            self._parts = [s]
+            self._outputs.append({"output_type": "stream", "name": self.name, "text": self._parts})
         return len(s)
+
+
+def _join_streams(outputs: list[dict[str, Any]]) -> None:
+    for out in outputs:
+        if out.get("output_type") == "stream" and isinstance(out.get("text"), list):
+            out["text"] = "".join(out["text"])
 
 
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
@@ -205,8 +224,8 @@ def _child(
         reply["times"] = times  # (perf_counter readings: one clock for every process)
         # The header: from here on the kernel counts the whole namespace's memory.
         _send(wfd, {"scratch_fd": iso.scratch_fd}, line=True)
-        sys.stdout = _Capture("stdout", outputs)
-        sys.stderr = _Capture("stderr", outputs)
+        sys.stdout = _Capture("stdout", outputs, reply["stopped"])
+        sys.stderr = _Capture("stderr", outputs, reply["stopped"])
         pub = shell.display_pub
 
         def publish(
@@ -253,11 +272,20 @@ def _child(
         reply["status"] = "failed"
         reply["detail"] = f"{type(e).__name__}: {e}"
     try:
+        _join_streams(outputs)
         data = json.dumps(reply, default=repr).encode()
         if len(data) > MAX_PAYLOAD:
-            reply["outputs"] = reply["outputs"][:1]
+            # Keep the outputs that fit; the kernel would read no more than that anyway.
+            kept, size = [], 0
+            for out in reply["outputs"]:
+                size += len(json.dumps(out, default=repr)) + 2
+                if size > MAX_PAYLOAD - 2**16:
+                    break
+                kept.append(out)
+            reply["outputs"] = kept
             reply["truncated"] = True
-            data = json.dumps(reply, default=repr).encode()[:MAX_PAYLOAD]
+            reply["stopped"].append(f"show more than {MAX_PAYLOAD >> 20} MB of output")
+            data = json.dumps(reply, default=repr).encode()
         _write_all(wfd, b"\n" + data + REPLY_END)
     finally:
         os._exit(0)
