@@ -66,8 +66,9 @@ _PSEUDO = {
 }
 #: the devices a computation may use (bound from the kernel's /dev, read-only mounts)
 _DEVICES = ("null", "zero", "full", "random", "urandom")
-#: parts of the fresh /proc that change the whole machine, kept read-only
-_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+#: parts of the fresh /proc that change the whole machine, kept read-only (Landlock refuses
+#: every write under /proc anyway)
+_PROC_READ_ONLY = ("sys", "sysrq-trigger")
 
 
 @dataclass
@@ -127,16 +128,23 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     )
 
 
+def _set_read_only(target: str) -> None:
+    """Make the mount at `target` and every mount beneath it read-only, nosuid, noexec (and
+    nodev, except where devices are the point)."""
+    flags = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC
+    if not target.endswith("/dev"):
+        flags |= MOUNT_ATTR_NODEV
+    attr = (ctypes.c_uint64 * 4)(flags, 0, 0, 0)
+    check(
+        syscall(SYS_MOUNT_SETATTR, -100, target.encode(), AT_RECURSIVE, attr, 32),
+        f"mount_setattr read-only {target}",
+    )
+
+
 def _read_only_bind(source: str, target: str, *, recursive: bool, extra: int = 0) -> None:
     _mount(source, target, None, MS_BIND | (MS_REC if recursive else 0))
     if recursive:
-        attr = (ctypes.c_uint64 * 4)(
-            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC, 0, 0, 0
-        )
-        check(
-            syscall(SYS_MOUNT_SETATTR, -100, target.encode(), AT_RECURSIVE, attr, 32),
-            f"mount_setattr read-only {target}",
-        )
+        _set_read_only(target)
     else:
         _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | extra)
 
@@ -225,11 +233,11 @@ def _copy_owner_and_mode(st: os.stat_result, path: str) -> None:
 
 def _fresh_dev(dev: str, scratch: str) -> list[str]:
     _mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=755")
-    for name in _DEVICES:
-        if os.path.exists(f"/dev/{name}"):
-            with open(f"{dev}/{name}", "w"):
-                pass
-            _read_only_bind(f"/dev/{name}", f"{dev}/{name}", recursive=False, extra=MS_NOEXEC)
+    devices = [name for name in _DEVICES if os.path.exists(f"/dev/{name}")]
+    for name in devices:
+        with open(f"{dev}/{name}", "w"):
+            pass
+        _mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
     for name, to in (
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
@@ -238,14 +246,16 @@ def _fresh_dev(dev: str, scratch: str) -> list[str]:
         ("ptmx", "pts/ptmx"),
     ):
         os.symlink(to, f"{dev}/{name}")
-    os.mkdir(f"{dev}/shm")
+    for name in ("shm", "mqueue", "pts"):
+        os.mkdir(f"{dev}/{name}")
+    # /dev and the kernel's devices in it read-only in one call (the devices' modes and owners
+    # are the kernel's; reading and writing a device is not a change of its file system).
+    _set_read_only(dev)
     os.mkdir(f"{scratch}/shm", 0o1777)
     os.chmod(f"{scratch}/shm", 0o1777)
     _mount(f"{scratch}/shm", f"{dev}/shm", None, MS_BIND)
-    os.mkdir(f"{dev}/mqueue")
     # POSIX message queues of its own IPC namespace (a Landlock rule needs them in the tree).
     _mount("mqueue", f"{dev}/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    os.mkdir(f"{dev}/pts")
     # A terminal of its own (IPython runs `!cmd` under a pseudo-terminal).
     _mount(
         "devpts",
@@ -254,8 +264,7 @@ def _fresh_dev(dev: str, scratch: str) -> list[str]:
         MS_NOSUID | MS_NOEXEC,
         "newinstance,ptmxmode=0666,mode=620",
     )
-    _mount(None, dev, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC, "size=64k,mode=755")
-    return [f"/dev/{name}" for name in _DEVICES if os.path.exists(f"{dev}/{name}")]
+    return [f"/dev/{name}" for name in devices]
 
 
 def _fresh_proc(proc: str, sysctls: dict[str, str]) -> dict[str, str]:
