@@ -429,3 +429,20 @@ def test_a_kernel_without_libseccomp_previews_nothing(tmp_path):
         assert not (tmp_path / "written.txt").exists()
     finally:
         k.close()
+
+
+def test_figures_follow_the_result_and_warnings_name_the_kernels_cell_file(kernel):
+    """As in the real run: the inline backend's figure comes after the cell's result, and a
+    warning's path is the kernel's cell file (with the kernel's pid), not the preview's."""
+    kernel.run("%matplotlib inline\nimport matplotlib.pyplot as plt")
+    cell = "plt.plot([1, 2]); plt.title('t')\n42"
+    preview = kernel.preview(cell)["outputs"]
+    real = kernel.run(cell)
+    assert [o["output_type"] for o in preview] == ["execute_result", "display_data"]
+    assert [o["msg_type"] for o in real] == ["execute_result", "display_data"]
+    assert preview[0]["data"]["text/plain"] == real[0]["data"]["text/plain"] == "42"
+    cell = "import warnings\nwarnings.warn('careful')"
+    preview_text = text_of(kernel.preview(cell))
+    real_text = "".join(o.get("text", "") for o in kernel.run(cell))
+    assert f"ipykernel_{kernel.pid}" in real_text
+    assert preview_text == real_text

@@ -144,7 +144,6 @@ def _run_cell(shell: Any, source: str, outputs: list[dict[str, Any]]) -> None:
         if expr.co_flags & 0x80:
             raise NotImplementedError("cells with top-level await are not previewed")
         value = eval(expr, ns)
-    _flush_inline_figures()
     if value is not None and not _semicolon_quiet(shell, cell):
         data, metadata = shell.display_formatter.format(value)
         outputs.append(
@@ -155,6 +154,8 @@ def _run_cell(shell: Any, source: str, outputs: list[dict[str, Any]]) -> None:
                 "execution_count": None,
             }
         )
+    # After the result, as the inline backend shows figures after the cell (post_execute).
+    _flush_inline_figures()
 
 
 def _flush_inline_figures() -> None:
@@ -197,6 +198,7 @@ def _child(
     cpu_seconds: int,
     programs: dict,
     times: dict[str, float],
+    cell_dir: str | None,
 ) -> None:
     """The preview's first process (PID 1 of its namespace): isolate, tell the kernel, run the
     cell, send the outputs back. Never returns."""
@@ -224,6 +226,12 @@ def _child(
         reply["times"] = times  # (perf_counter readings: one clock for every process)
         # The header: from here on the kernel counts the whole namespace's memory.
         _send(wfd, {"scratch_fd": iso.scratch_fd}, line=True)
+        if cell_dir is not None:
+            # The cell's file name is the kernel's (it holds the kernel's pid: in tracebacks and
+            # warnings), not one with this process's pid (1).
+            compiler = sys.modules.get("ipykernel.compiler")
+            if compiler is not None:
+                compiler.get_tmp_directory = lambda: cell_dir  # type: ignore[attr-defined]
         sys.stdout = _Capture("stdout", outputs, reply["stopped"])
         sys.stderr = _Capture("stderr", outputs, reply["stopped"])
         pub = shell.display_pub
@@ -310,6 +318,7 @@ def _monitor(
     memory_mb: int,
     cpu_seconds: int,
     programs: dict,
+    cell_dir: str | None,
 ) -> None:
     """The kernel's direct child: creates the namespaces, forks the preview's first process
     into them, tells the kernel its pid, answers its questions about memory, and when the kernel
@@ -329,7 +338,7 @@ def _monitor(
         if pid == 0:
             times["first process"] = time.perf_counter()
             os.close(ctl)
-            _child(shell, source, wfd, memory_mb, cpu_seconds, programs, times)
+            _child(shell, source, wfd, memory_mb, cpu_seconds, programs, times, cell_dir)
         os.close(wfd)
         os.write(ctl, f"P {pid}\n".encode())
         # Hold nothing of the kernel's while waiting.
@@ -498,6 +507,8 @@ def run_preview(
         programs = {p: sandbox.seccomp_program(p) for p in (False, True)}
     except sandbox.Unavailable as e:
         return _unsupported(f"preview unavailable: this Linux lacks {e}")
+    compiler = sys.modules.get("ipykernel.compiler")
+    cell_dir = compiler.get_tmp_directory() if compiler is not None else None
     t0 = time.perf_counter()
     rfd, wfd = os.pipe()
     ctl_sock, child_sock = socket.socketpair()
@@ -521,7 +532,7 @@ def run_preview(
     if pid == 0:
         os.close(rfd)
         os.close(ctl)
-        _monitor(shell, source, wfd, child_ctl, memory_mb, cpu_seconds, programs)
+        _monitor(shell, source, wfd, child_ctl, memory_mb, cpu_seconds, programs, cell_dir)
     if freeze:
         gc.unfreeze()
     fork_ms = (time.perf_counter() - t0) * 1000
