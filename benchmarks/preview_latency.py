@@ -1,21 +1,30 @@
 """Benchmark: latency of an output preview of `df.head()` with a large DataFrame in the kernel.
 
-Target (issue 7): the preview returns within 100 ms plus the cell's own time. Starts a real
-kernel, fills it with a DataFrame of about --mb megabytes, and compares
+Targets: issue 7, the preview returns within 100 ms plus the cell's own time; issue 12, a
+trivial cell's preview within 50 ms p50 end to end with the isolation of issue 12. Starts a
+real kernel, fills it with a DataFrame of about --mb megabytes, and compares
   - the cell's own time (df.head() run for real, timed inside the kernel),
   - a silent no-op request (the messaging floor),
-  - the preview through the backend (PreviewPredictor.run_preview: fork, lockdown, run,
-    JSON back, reply), with the kernel's own fork time and in-kernel total.
+  - the preview through the backend (PreviewPredictor.run_preview: fork, isolation, run,
+    JSON back, reply), with the kernel's fork time, the child's isolation time and the
+    in-kernel total.
+With --baseline DIR (a copy of another version's `jupyter_themisto` package, e.g. from
+`git archive main jupyter_themisto | tar -x -C DIR`), a second kernel imports the package from
+DIR and the two are measured in turns, under the same load: the ratio is the figure to trust on
+a busy machine.
 
-Run: .venv/bin/python benchmarks/preview_latency.py [--mb 500] [--repeat 15]
+Run: .venv/bin/python benchmarks/preview_latency.py [--mb 500] [--repeat 15] [--cell 'df.head()']
+     [--baseline DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
+from typing import Any
 
 from jupyter_client.manager import AsyncKernelManager
 
@@ -32,79 +41,119 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=500, help="DataFrame size in MB")
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--cell", default="df.head()", help="the previewed cell")
+    ap.add_argument("--baseline", help="a folder holding another version's jupyter_themisto")
     args = ap.parse_args()
 
-    km = AsyncKernelManager(kernel_name="python3")
-    await km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    await kc.wait_for_ready(timeout=120)
+    versions: dict[str, str | None] = {"this version": None}
+    if args.baseline:
+        versions["baseline"] = os.path.abspath(args.baseline)
+    kernels = {name: await start(args, path) for name, path in versions.items()}
     try:
-        rows = args.mb * 2**20 // (8 * 8)
-        setup = (
-            "import numpy as np, pandas as pd, time\n"
-            f"df = pd.DataFrame(np.random.default_rng(0).normal(size=({rows}, 8)),"
-            " columns=list('abcdefgh'))\n"
+        for _ in range(args.repeat):  # in turns: both see the same load
+            for k in kernels.values():
+                await k.measure(args.cell)
+    finally:
+        for k in kernels.values():
+            await k.close()
+    for name, k in kernels.items():
+        k.report(name, args)
+    if args.baseline:
+        this = statistics.median(kernels["this version"].total_ms)
+        base = statistics.median(kernels["baseline"].total_ms)
+        print(
+            f"median round trip, this version / baseline: {this / base:.2f} "
+            f"({this:.1f} ms / {base:.1f} ms)"
         )
-        reply = await kc.execute(setup, reply=True, timeout=600)
-        assert reply["content"]["status"] == "ok", reply["content"]
-        size = await kc.execute(
+    print(f"load average while measuring: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+
+
+class Measured:
+    """One kernel with the DataFrame, and what was measured in it."""
+
+    def __init__(self, km: AsyncKernelManager, kc: Any, backend: PreviewPredictor) -> None:
+        self.km, self.kc, self.backend = km, kc, backend
+        self.cell_ms: list[float] = []
+        self.noop_ms: list[float] = []
+        self.total_ms: list[float] = []
+        self.fork_ms: list[float] = []
+        self.setup_ms: list[float] = []
+        self.kernel_ms: list[float] = []
+        self.df_mb = 0.0
+
+    async def measure(self, cell: str) -> None:
+        r = await self.kc.execute(
             "",
             reply=True,
             timeout=60,
-            user_expressions={"m": "float(df.memory_usage().sum() / 2**20)"},
+            user_expressions={
+                "t": f"(lambda t0: ({cell}, float((time.perf_counter() - t0) * 1000))[1])"
+                "(time.perf_counter())"
+            },
         )
-        df_mb = float(size["content"]["user_expressions"]["m"]["data"]["text/plain"])
+        self.cell_ms.append(float(r["content"]["user_expressions"]["t"]["data"]["text/plain"]))
+        t0 = time.perf_counter()
+        await self.kc.execute("", reply=True, timeout=60, silent=True)
+        self.noop_ms.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        out = await self.backend.run_preview("unused-id", cell)
+        self.total_ms.append((time.perf_counter() - t0) * 1000)
+        assert out.get("stopped") == [] and out["outputs"], out
+        self.fork_ms.append(out["fork_ms"])
+        self.setup_ms.append(out.get("setup_ms", 0.0))
+        self.kernel_ms.append(out["elapsed_ms"])
 
-        cell_ms = []
-        for _ in range(args.repeat):
-            r = await kc.execute(
-                "",
-                reply=True,
-                timeout=60,
-                user_expressions={
-                    "t": "(lambda t0: (df.head(), float((time.perf_counter() - t0) * 1000))[1])"
-                    "(time.perf_counter())"
-                },
+    def report(self, name: str, args: Any) -> None:
+        def row(what: str, values: list[float]) -> str:
+            return (
+                f"| {what} | {statistics.median(values):.1f} | {pct(values, 0.9):.1f} "
+                f"| {max(values):.1f} |"
             )
-            cell_ms.append(float(r["content"]["user_expressions"]["t"]["data"]["text/plain"]))
 
-        noop_ms = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            await kc.execute("", reply=True, timeout=60, silent=True)
-            noop_ms.append((time.perf_counter() - t0) * 1000)
+        print(f"\n{name}: DataFrame in the kernel: {self.df_mb:.0f} MB; {args.repeat} runs each")
+        print("| what | median ms | p90 ms | max ms |")
+        print("|---|---|---|---|")
+        print(row(f"`{args.cell}` run for real (cell's own time, in the kernel)", self.cell_ms))
+        print(row("silent no-op request (messaging floor)", self.noop_ms))
+        print(row("preview: fork() in the kernel", self.fork_ms))
+        print(row("preview: isolation in the child (namespaces, root, layers)", self.setup_ms))
+        print(row("preview: in the kernel (fork..reply ready)", self.kernel_ms))
+        print(row("preview: backend round trip (end to end)", self.total_ms))
+        overhead = statistics.median(self.total_ms) - statistics.median(self.cell_ms)
+        print(f"median overhead beyond the cell's own time: {overhead:.1f} ms")
 
-        backend = PreviewPredictor({}, BackendEnv(kernel_manager=km))
-        total_ms, fork_ms, kernel_ms = [], [], []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            out = await backend.run_preview("unused-id", "df.head()")
-            total_ms.append((time.perf_counter() - t0) * 1000)
-            assert out["stopped"] == [] and out["outputs"], out
-            fork_ms.append(out["fork_ms"])
-            kernel_ms.append(out["elapsed_ms"])
-        await backend.aclose()
-    finally:
-        kc.stop_channels()
-        await km.shutdown_kernel(now=True)
+    async def close(self) -> None:
+        await self.backend.aclose()
+        self.kc.stop_channels()
+        await self.km.shutdown_kernel(now=True)
 
-    def row(name: str, values: list[float]) -> str:
-        return (
-            f"| {name} | {statistics.median(values):.1f} | {pct(values, 0.9):.1f} "
-            f"| {max(values):.1f} |"
-        )
 
-    print(f"DataFrame in the kernel: {df_mb:.0f} MB; {args.repeat} runs each")
-    print("| what | median ms | p90 ms | max ms |")
-    print("|---|---|---|---|")
-    print(row("df.head() run for real (cell's own time, in the kernel)", cell_ms))
-    print(row("silent no-op request (messaging floor)", noop_ms))
-    print(row("preview: fork() in the kernel", fork_ms))
-    print(row("preview: in the kernel (fork..reply ready)", kernel_ms))
-    print(row("preview: backend round trip", total_ms))
-    overhead = statistics.median(total_ms) - statistics.median(cell_ms)
-    print(f"median overhead beyond the cell's own time: {overhead:.1f} ms (target < 100 ms)")
+async def start(args: Any, package: str | None) -> Measured:
+    env = dict(os.environ)
+    if package:
+        env["PYTHONPATH"] = package + os.pathsep + env.get("PYTHONPATH", "")
+    km = AsyncKernelManager(kernel_name="python3")
+    await km.start_kernel(env=env)
+    kc = km.client()
+    kc.start_channels()
+    await kc.wait_for_ready(timeout=120)
+    m = Measured(km, kc, PreviewPredictor({}, BackendEnv(kernel_manager=km)))
+    rows = args.mb * 2**20 // (8 * 8)
+    setup = (
+        "import numpy as np, pandas as pd, time\n"
+        f"df = pd.DataFrame(np.random.default_rng(0).normal(size=({rows}, 8)),"
+        " columns=list('abcdefgh'))\n"
+    )
+    reply = await kc.execute(setup, reply=True, timeout=600)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    size = await kc.execute(
+        "",
+        reply=True,
+        timeout=60,
+        user_expressions={"m": "float(df.memory_usage().sum() / 2**20)"},
+    )
+    m.df_mb = float(size["content"]["user_expressions"]["m"]["data"]["text/plain"])
+    return m
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Output preview in a real kernel: the sandboxed fork shows what a cell would print and leaves
-the namespace, the files, the network and the processes of the real world as they were."""
+"""Output preview in a real kernel: the isolated fork shows what a cell would print — files it
+writes included — and leaves the namespace, the files, the network and the processes of the real
+world as they were. (The attacker's view is tests/test_preview_hostile.py.)"""
 
 from __future__ import annotations
 
@@ -7,84 +8,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
+import psutil
 import pytest
-from jupyter_client.manager import KernelManager
 
-from jupyter_themisto.kernel import sandbox
 from jupyter_themisto.store import TrajectoryStore
 
-
-class Kernel:
-    """A real ipykernel with the recorder loaded; previews go through silent user_expressions,
-    exactly as the preview backend sends them."""
-
-    def __init__(self, store_path: Path, cwd: Path, **extra_env: str) -> None:
-        env = dict(os.environ, **extra_env)
-        env["THEMISTO_STORE"] = str(store_path)
-        env["THEMISTO_NOTEBOOK_PATH"] = "preview.ipynb"
-        # ipykernel turns off its fd-level output capture under pytest; a real kernel has it,
-        # and that capture is what would leak a forked child's prints into a cell.
-        env.pop("PYTEST_CURRENT_TEST", None)
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=env, cwd=str(cwd), extra_arguments=["--ext=jupyter_themisto"])
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=90)
-        self.iopub: list[dict[str, Any]] = []
-
-    def _request(self, code: str, **kw: Any) -> tuple[str, dict[str, Any], list[dict]]:
-        msg_id = self.kc.execute(code, allow_stdin=False, stop_on_error=False, **kw)
-        deadline = time.monotonic() + 120
-        mine: list[dict[str, Any]] = []
-        while True:
-            msg = self.kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
-            self.iopub.append(msg)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            mine.append(msg)
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                break
-        while True:
-            reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return msg_id, reply["content"], mine
-
-    def run(self, code: str) -> list[dict[str, Any]]:
-        """Run a cell for real; its iopub outputs."""
-        _, reply, msgs = self._request(code)
-        assert reply["status"] == "ok", reply
-        return [
-            {"msg_type": m["msg_type"], **m["content"]}
-            for m in msgs
-            if m["msg_type"] in ("stream", "display_data", "execute_result", "error")
-        ]
-
-    def value(self, expr: str) -> str:
-        _, reply, _ = self._request("", silent=True, user_expressions={"v": expr})
-        result = reply["user_expressions"]["v"]
-        assert result["status"] == "ok", result
-        return result["data"]["text/plain"]
-
-    def preview(self, source: str, **limits: Any) -> dict[str, Any]:
-        args = "".join(f", {k}={v!r}" for k, v in limits.items())
-        expr = (
-            "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
-            f".run_preview({source!r}{args})"
-        )
-        _, reply, msgs = self._request(
-            "", silent=True, store_history=False, user_expressions={"p": expr}
-        )
-        # Nothing of the preview may reach iopub: only the busy/idle of the request itself.
-        assert [m["msg_type"] for m in msgs] == ["status", "status"], msgs
-        result = reply["user_expressions"]["p"]
-        assert result["status"] == "ok", result
-        return result["data"]["application/json"]
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+from .preview_kernel import Kernel, text_of
 
 
 @pytest.fixture(scope="module")
@@ -95,24 +25,21 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kernel(workdir):
     k = Kernel(workdir / "store.sqlite", workdir)
-    k.run("xs = [1, 2, 3]\nys = {'a': 1}\nimport pandas as pd\n")
+    k.run("xs = [1, 2, 3]\nys = {'a': 1}\nimport pandas as pd\nimport numpy as np\n")
     yield k
     k.close()
 
 
-def text_of(reply: dict[str, Any]) -> str:
-    parts = []
-    for out in reply["outputs"]:
-        if out["output_type"] == "stream":
-            parts.append(out["text"])
-        elif out["output_type"] in ("execute_result", "display_data"):
-            parts.append(out["data"]["text/plain"])
-        elif out["output_type"] == "error":
-            parts.append(f"{out['ename']}: {out['evalue']}")
-    return "".join(parts)
+def files(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under `root` (the store excepted): mode and content."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_mode, p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "store.sqlite" not in p.name and ".kernelspec" not in p.parts
+    }
 
 
-def test_sandbox_layers_are_on(kernel):
+def test_every_isolation_layer_is_on(kernel):
     reply = kernel.preview("1 + 1")
     assert reply["status"] == "ok" and reply["stopped"] == []
     assert reply["outputs"] == [
@@ -123,9 +50,36 @@ def test_sandbox_layers_are_on(kernel):
             "execution_count": None,
         }
     ]
-    for layer in ("landlock", "seccomp", "no_new_privs", "cpu"):
-        assert reply["sandbox"][layer].startswith("on"), reply["sandbox"]
-    assert reply["sandbox"]["memory"] == "watched by the kernel (1024 MB)"
+    layers = reply["sandbox"]
+    for layer in (
+        "namespaces",
+        "filesystem",
+        "descriptors",
+        "shared_memory",
+        "processes",
+        "cpu",
+        "capabilities",
+        "landlock",
+        "seccomp",
+    ):
+        assert layers[layer].startswith("on"), layers
+    assert "user, mount, network, IPC, PID, UTS" in layers["namespaces"]
+    # This Linux (6.18) has Landlock ABI >= 6: every kind of right is handled.
+    assert "TCP bind/connect, signals, abstract unix sockets" in layers["landlock"], layers
+    assert "truncate, device ioctls" in layers["landlock"]
+    assert layers["memory"] == "watched by the kernel (1024 MB)"
+
+
+def test_the_preview_is_alone_in_its_namespaces(kernel):
+    reply = kernel.preview(
+        "import os, socket\n"
+        "print(os.getpid(), os.getppid())\n"
+        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print(sorted(os.listdir('/sys/class/net')))\n"
+        "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+        f"print(os.getuid() == {os.getuid()}, socket.gethostname() == {socket.gethostname()!r})"
+    )
+    assert text_of(reply) == "1 0\n[1]\n['lo']\n0000000000000000\nTrue True\n", reply
 
 
 def test_mutations_and_deletions_stay_in_the_fork(kernel):
@@ -160,47 +114,91 @@ def _recorded_sources(workdir: Path) -> list[str]:
         store.close()
 
 
-def test_file_writes_deletions_renames_are_stopped(kernel, workdir):
-    data = workdir / "data"
-    data.mkdir()
-    (data / "keep.txt").write_text("original")
-    before = {p.name: p.read_bytes() for p in data.iterdir()}
-    cells = {
-        f"open({str(data / 'results.csv')!r}, 'w').write('x')": "write",
-        f"import pandas as pd; pd.DataFrame({{'a': [1]}}).to_csv({str(data / 'r.csv')!r})": "write",
-        f"import os; os.remove({str(data / 'keep.txt')!r})": "delete",
-        f"from pathlib import Path; Path({str(data / 'keep.txt')!r}).unlink()": "delete",
-        f"import os; os.rename({str(data / 'keep.txt')!r}, {str(data / 'moved.txt')!r})": "rename",
-        f"import os; os.mkdir({str(data / 'sub')!r})": "create",
-        f"open({str(data / 'keep.txt')!r}, 'a').write('more')": "write",
-    }
-    for cell, verb in cells.items():
-        reply = kernel.preview(cell)
-        assert reply["stopped"] and reply["stopped"][0].startswith(verb), (cell, reply)
-        assert str(data) in reply["stopped"][0]
-    assert "results.csv" in kernel.preview(next(iter(cells)))["stopped"][0]
-    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+WRITING_CELLS = [
+    # (setup run for real first, the cell previewed and then run for real)
+    (
+        "df = pd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})",
+        "df.to_csv('x.csv', index=False)\nprint(pd.read_csv('x.csv').b.tolist())\n"
+        "print(open('x.csv').read())",
+    ),
+    ("", "np.savetxt('eye.txt', np.eye(2), fmt='%d')\n!cat eye.txt"),
+    ("", "!head -3 data.csv"),
+    ("", "!wc -l data.csv && sort -r data.csv | head -2"),
+    (
+        "",
+        "import os, shutil\nos.mkdir('sub')\nshutil.copy('data.csv', 'sub/copy.csv')\n"
+        "os.rename('sub/copy.csv', 'sub/moved.csv')\nprint(os.listdir('sub'))\n"
+        "os.remove('data.csv')\nprint(os.path.exists('data.csv'))",
+    ),
+    ("", "with open('data.csv', 'a') as f:\n    f.write('9,9\\n')\n!tail -1 data.csv"),
+    ("", "%%bash\necho from bash > b.txt\ncat b.txt"),
+]
 
 
-def test_kernel_level_barriers_hold_without_the_audit_hooks(kernel, workdir):
-    """C code bypasses Python's audit hooks; Landlock and seccomp still refuse."""
+@pytest.mark.parametrize("setup, cell", WRITING_CELLS)
+def test_cells_that_write_files_show_their_real_output(tmp_path, setup, cell):
+    """The preview of a cell that writes files reads them back as the real run will, and
+    nothing real changes; then the real run (same kernel state) shows the same text."""
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n3,4\n5,6\n")
+    k = Kernel(tmp_path / "store.sqlite", tmp_path)
+    try:
+        k.run("import pandas as pd, numpy as np\n" + setup)
+        before = files(tmp_path)
+        reply = k.preview(cell)
+        assert reply["status"] == "ok" and reply["stopped"] == [], reply
+        assert files(tmp_path) == before
+        real = k.run(cell)
+        real_text = "".join(
+            o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in real
+        )
+        assert text_of(reply) == real_text
+        assert real_text.strip()
+        if "head" not in cell and "wc" not in cell:
+            assert files(tmp_path) != before  # (the real run did write)
+    finally:
+        k.close()
+
+
+def test_c_level_calls_stay_inside(kernel, workdir):
+    """C code bypasses Python's audit hooks: the namespaces and the overlay still hold."""
     target = workdir / "c-level.txt"
     marker = workdir / "spawned.txt"
     reply = kernel.preview(
-        "import ctypes\nlibc = ctypes.CDLL(None)\n"
-        f"print(libc.open({str(target).encode()!r}, 0o101, 0o644))\n"  # O_WRONLY|O_CREAT
-        f"print(libc.system(b'touch {marker}') != 0)\n"
-        "print(libc.fork())\n"
+        "import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+        f"fd = libc.open({str(target).encode()!r}, 0o101, 0o644)\n"  # O_WRONLY|O_CREAT
+        "print(fd > 0, libc.write(fd, b'abc', 3))\n"
+        f"print(libc.system(b'touch {marker}'), os.path.exists({str(marker)!r}))\n"
+        f"print(open({str(target)!r}).read())\n"
     )
-    assert text_of(reply) == "-1\nTrue\n-1\n", reply
+    assert text_of(reply) == "True 3\n0 True\nabc\n", reply
     assert not target.exists() and not marker.exists()
-    # A file the person opened for writing before the preview: the fork's copy cannot write.
+
+
+def test_a_file_open_for_writing_in_the_kernel_stops_the_preview(kernel, workdir):
     inherited = workdir / "open-handle.txt"
-    kernel.run(f"fh = open({str(inherited)!r}, 'w')")
+    kernel.run(f"fh = open({str(inherited)!r}, 'w')\nfh.write('kept'); fh.flush()")
     reply = kernel.preview("fh.write('from the preview'); fh.flush()")
-    assert reply["stopped"] and "forbids" in reply["stopped"][0], reply
+    assert reply["stopped"] == [
+        f"use a file open for writing ({inherited}), which the kernel holds open"
+    ], reply
+    reply = kernel.preview("import os\nos.write(fh.fileno(), b'raw')")
+    assert reply["stopped"] == [
+        "use a descriptor the kernel holds open (a socket, a pipe or a file open for writing)"
+    ], reply
     kernel.run("fh.close()")
-    assert inherited.read_text() == ""
+    assert inherited.read_text() == "kept"
+
+
+def test_a_file_open_for_reading_reads_on_without_moving_the_kernels_offset(kernel, workdir):
+    lines = "".join(f"line {i}\n" for i in range(5000))
+    (workdir / "lines.txt").write_text(lines)
+    kernel.run(f"rf = open({str(workdir / 'lines.txt')!r})\nfirst = rf.readline()")
+    offset = kernel.value("rf.tell()")
+    reply = kernel.preview("print(rf.readline(), end='')\nprint(len(rf.read()))")
+    assert text_of(reply) == f"line 1\n{len(lines) - 14}\n", reply
+    assert kernel.value("rf.tell()") == offset
+    # The real handle reads on exactly where it was.
+    assert kernel.value("rf.readline()") == "'line 1\\n'"
 
 
 def test_network_connections_are_stopped(kernel):
@@ -218,6 +216,8 @@ def test_network_connections_are_stopped(kernel):
             f"import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}/', timeout=2)"
         )
         assert reply["stopped"][0].startswith("open a network connection"), reply
+        reply = kernel.preview("import socket\nsocket.getaddrinfo('example.org', 443)")
+        assert reply["stopped"] == ["look up 'example.org' on the network"], reply
         # Below the audit hooks: a raw connect(2) through libc.
         reply = kernel.preview(
             "import ctypes, struct\nlibc = ctypes.CDLL(None)\nfd = libc.socket(2, 1, 0)\n"
@@ -233,15 +233,21 @@ def test_network_connections_are_stopped(kernel):
         listener.close()
 
 
-def test_processes_are_stopped(kernel, workdir):
+def test_processes_run_inside_the_namespaces_and_end_with_it(kernel, workdir):
     marker = workdir / "subprocess-ran.txt"
-    reply = kernel.preview(f"import subprocess\nsubprocess.run(['touch', {str(marker)!r}])")
-    assert reply["stopped"] == [f"start a process (touch {marker})"]
-    reply = kernel.preview(f"import os\nos.system('touch {marker}')")
-    assert reply["stopped"][0].startswith("start a process")
-    reply = kernel.preview("import multiprocessing as mp\np = mp.Process(target=print)\np.start()")
-    assert reply["stopped"][0].startswith("start a process"), reply
+    reply = kernel.preview(
+        f"import subprocess, os\nsubprocess.run(['touch', {str(marker)!r}])\n"
+        f"print(os.path.exists({str(marker)!r}))\n"
+        "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        "print(subprocess.run(['ps', '-e', '-o', 'pid=,comm='], capture_output=True, text=True)"
+        ".stdout.split())"
+    )
+    assert text_of(reply) == "True\n['1', 'python', '3', 'sleep', '4', 'ps']\n", reply
     assert not marker.exists()
+    sleepers = [
+        p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]
+    ]
+    assert sleepers == []
 
 
 def test_endless_loop_is_killed_and_kernel_goes_on(kernel):
@@ -259,6 +265,20 @@ def test_memory_beyond_the_limit_is_stopped(kernel):
     assert reply["stopped"] == ["use more than 256 MB of memory"], reply
     reply = kernel.preview("big = b'x' * (64 * 2**30)\nlen(big)", memory_mb=256)
     assert reply["stopped"][0].startswith("use more than"), reply
+    # Memory outside the process: a memfd, files in the private overlay, /dev/shm.
+    fill = "for _ in range(200):\n    f.write(b'x' * 2**22)"
+    for cell in (
+        "import os\nf = open(os.memfd_create('m'), 'wb')\n" + fill,
+        "f = open('fill.bin', 'wb')\n" + fill,
+        "f = open('/dev/shm/fill', 'wb')\n" + fill,
+    ):
+        reply = kernel.preview(cell + "\nimport time; time.sleep(3)", memory_mb=256)
+        assert reply["stopped"] in (
+            ["use more than 256 MB of memory"],
+            [],  # the file system filled up first (ENOSPC), within the bound
+        ), reply
+        if not reply["stopped"]:
+            assert "No space left on device" in text_of(reply), reply
     assert kernel.value("'big' in globals() or 'chunks' in globals()") == "False"
 
 
@@ -279,7 +299,7 @@ def test_child_prints_never_reach_the_persons_cells(kernel):
 
 def test_dataframe_head_equals_the_real_output_byte_for_byte(kernel):
     kernel.run(
-        "import numpy as np\nrng = np.random.default_rng(0)\n"
+        "rng = np.random.default_rng(0)\n"
         "df = pd.DataFrame(rng.normal(size=(50, 4)), columns=list('abcd'))\n"
         "df['name'] = ['row %d' % i for i in range(50)]"
     )
@@ -303,14 +323,29 @@ def test_dataframe_head_equals_the_real_output_byte_for_byte(kernel):
     assert err[0]["ename"] == "ZeroDivisionError" and err[0]["evalue"] == "division by zero"
 
 
-def test_interrupting_the_kernel_kills_the_preview(kernel):
-    import psutil
+def test_threads_blas_and_plots_work(kernel):
+    reply = kernel.preview(
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "with ThreadPoolExecutor(4) as ex:\n    print(sum(ex.map(lambda i: i * i, range(100))))\n"
+        "a = np.arange(400 * 400, dtype=float).reshape(400, 400) / 1e5\n"
+        "print(round(float((a @ a.T).trace()), 3))"
+    )
+    a = [[i * 400 + j for j in range(400)] for i in range(400)]
+    trace = sum(v * v for row in a for v in row) / 1e10
+    assert text_of(reply) == f"328350\n{round(trace, 3)}\n", reply
+    reply = kernel.preview(
+        "%matplotlib inline\nimport matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()"
+    )
+    images = [o for o in reply["outputs"] if "image/png" in o.get("data", {})]
+    assert len(images) == 1 and reply["stopped"] == [], reply
 
+
+def test_interrupting_the_kernel_kills_the_preview(kernel):
     expr = (
         "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
         ".run_preview('while True: pass', timeout=60.0)"
     )
-    proc = psutil.Process(kernel.km.provisioner.process.pid)
+    proc = psutil.Process(kernel.pid)
 
     def running_children() -> list:
         # (the recorder's finished snapshot children may linger as zombies)
@@ -323,9 +358,10 @@ def test_interrupting_the_kernel_kills_the_preview(kernel):
     msg_id = kernel.kc.execute(
         "", silent=True, store_history=False, user_expressions={"p": expr}, allow_stdin=False
     )
-    while not running_children():
-        assert time.monotonic() < deadline, "the preview child never started"
+    while len(proc.children(recursive=True)) < 2:  # the monitor and the preview
+        assert time.monotonic() < deadline, "the preview never started"
         time.sleep(0.05)
+    time.sleep(0.5)
     started = time.monotonic()
     kernel.km.interrupt_kernel()
     while True:
@@ -341,25 +377,72 @@ def test_interrupting_the_kernel_kills_the_preview(kernel):
     assert kernel.value("xs") == "[1, 2, 3]"
 
 
-def test_a_preview_without_its_kernel_level_layers_does_not_run():
-    on = {"landlock": "on (ABI 7)", "seccomp": "on", "no_new_privs": "on", "cpu": "on (5 s)"}
-    assert sandbox.missing_layers(on) == []
-    lacking = {**on, "landlock": "unavailable: No module named 'landlock'"}
-    assert sandbox.missing_layers(lacking) == ["landlock (unavailable: No module named 'landlock')"]
-    assert sandbox.missing_layers({}) == ["landlock (not tried)", "seccomp (not tried)"]
+LAUNCHER = """
+import errno, os, sys
+import pyseccomp as sc
+f = sc.SyscallFilter(defaction=sc.ALLOW)
+for name in os.environ["DENY_SYSCALLS"].split(","):
+    f.add_rule(sc.ERRNO(errno.EPERM), name)
+f.load()
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+"""
 
 
-def test_a_kernel_without_landlock_previews_nothing(tmp_path):
-    # A kernel where the Landlock binding cannot be imported (as on a system without it).
+@pytest.mark.parametrize(
+    "deny, lacks",
+    [
+        (
+            "unshare",
+            "new user, mount, network, IPC, PID and UTS namespaces (Operation not permitted)",
+        ),
+        ("landlock_create_ruleset", "Landlock (Linux >= 5.13 with Landlock enabled)"),
+        ("mount", "a private copy-on-write root (mount"),
+    ],
+)
+def test_a_linux_without_a_layer_previews_nothing(tmp_path, deny, lacks):
+    """A kernel where Linux refuses one of the layers (here: seccomp denies its system call to
+    the whole kernel, as a container runtime might) runs no cell in a preview, and says why."""
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(LAUNCHER)
+    k = Kernel(tmp_path / "store.sqlite", tmp_path, launcher=launcher, DENY_SYSCALLS=deny)
+    try:
+        reply = k.preview("open('written.txt', 'w').write('x'); print('ran')")
+        assert reply.get("status") == "unsupported" and reply["outputs"] == [], reply
+        assert reply["detail"].startswith("preview unavailable: this Linux lacks " + lacks), reply
+        assert not (tmp_path / "written.txt").exists()
+    finally:
+        k.close()
+
+
+def test_a_kernel_without_libseccomp_previews_nothing(tmp_path):
     shadow = tmp_path / "shadow"
     shadow.mkdir()
-    (shadow / "landlock.py").write_text("raise ImportError('no Landlock binding here')\n")
+    (shadow / "pyseccomp.py").write_text("raise ImportError('no libseccomp here')\n")
     k = Kernel(tmp_path / "store.sqlite", tmp_path, PYTHONPATH=str(shadow))
     try:
         reply = k.preview("open('written.txt', 'w').write('x'); print('ran')")
         assert reply["status"] == "unsupported" and reply["outputs"] == []
-        assert "preview unavailable" in reply["detail"] and "landlock" in reply["detail"]
-        assert reply["sandbox"]["landlock"].startswith("unavailable")
+        assert reply["detail"] == (
+            "preview unavailable: this Linux lacks seccomp (libseccomp: ImportError: "
+            "no libseccomp here)"
+        ), reply
         assert not (tmp_path / "written.txt").exists()
     finally:
         k.close()
+
+
+def test_figures_follow_the_result_and_warnings_name_the_kernels_cell_file(kernel):
+    """As in the real run: the inline backend's figure comes after the cell's result, and a
+    warning's path is the kernel's cell file (with the kernel's pid), not the preview's."""
+    kernel.run("%matplotlib inline\nimport matplotlib.pyplot as plt")
+    cell = "plt.plot([1, 2]); plt.title('t')\n42"
+    preview = kernel.preview(cell)["outputs"]
+    real = kernel.run(cell)
+    assert [o["output_type"] for o in preview] == ["execute_result", "display_data"]
+    assert [o["msg_type"] for o in real] == ["execute_result", "display_data"]
+    assert preview[0]["data"]["text/plain"] == real[0]["data"]["text/plain"] == "42"
+    cell = "import warnings\nwarnings.warn('careful')"
+    preview_text = text_of(kernel.preview(cell))
+    real_text = "".join(o.get("text", "") for o in kernel.run(cell))
+    assert f"ipykernel_{kernel.pid}" in real_text
+    assert preview_text == real_text

@@ -1,5 +1,7 @@
 """The preview backend through the real server: POST /themisto/predict/output with a live,
-auto-recorded kernel; stopped previews fall back or say why; a busy kernel is not queued on."""
+auto-recorded kernel; cells that write files are previewed in a private copy; stopped previews
+fall back or say why; a busy kernel is not queued on, and a kernel that has just answered (a
+preview, a cell) is not taken for busy."""
 
 from __future__ import annotations
 
@@ -106,12 +108,34 @@ async def test_preview_through_the_server(jp_fetch, jp_serverapp, jp_root_dir, s
         assert text == "hello\n[1, 2, 3]\n"
         assert events[-1][0] == "done"
 
-        # Stopped: no fallback configured, so the reason is the answer; nothing was written.
-        events = await predict(jp_fetch, kernel_id, "open('results.csv', 'w').write('1')")
-        reasons = [d["reason"] for name, d in events if name == "no_prediction"]
-        assert reasons and reasons[0].startswith("preview stopped: the cell would write "), events
-        assert "results.csv" in reasons[0]
+        # A preview right after a preview: answered, not refused for the first one's status.
+        for _ in range(5):
+            events = await predict(jp_fetch, kernel_id, "print(len(xs))")
+            assert "".join(d["text"] for n, d in events if n == "chunk") == "2\n", events
+
+        # A cell that writes a file and reads it back: its real output, nothing real written.
+        events = await predict(
+            jp_fetch,
+            kernel_id,
+            "open('results.csv', 'w').write('1,2')\nprint(open('results.csv').read())",
+        )
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "1,2\n", events
         assert not (jp_root_dir / "results.csv").exists()
+
+        # Stopped: no fallback configured, so the reason is the answer.
+        events = await predict(
+            jp_fetch, kernel_id, "import socket\nsocket.create_connection(('127.0.0.1', 9))"
+        )
+        reasons = [d["reason"] for name, d in events if name == "no_prediction"]
+        assert reasons == [
+            "preview stopped: the cell would open a network connection (('127.0.0.1', 9)) "
+            "(no fallback backend configured)"
+        ], events
+
+        # Right after a cell finished: answered.
+        await run_cell(jp_serverapp, kernel_id, "ys = [5]")
+        events = await predict(jp_fetch, kernel_id, "ys")
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "[5]\n", events
 
         # Busy: a running cell is never queued behind.
         kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
@@ -139,7 +163,11 @@ async def test_stopped_preview_falls_back(jp_fetch, jp_serverapp, jp_root_dir, s
         jp_fetch, jp_serverapp, jp_root_dir, store_path, "print('recorded output')"
     )
     try:
-        events = await predict(jp_fetch, kernel_id, "import subprocess; subprocess.run(['ls'])")
+        events = await predict(
+            jp_fetch,
+            kernel_id,
+            "import urllib.request\nurllib.request.urlopen('http://example.org')",
+        )
         assert events[0] == ("meta", events[0][1]) and events[0][1]["backend"] == "preview"
         text = "".join(d["text"] for name, d in events if name == "chunk")
         # repeat-previous predicts the last recorded output.
@@ -147,7 +175,7 @@ async def test_stopped_preview_falls_back(jp_fetch, jp_serverapp, jp_root_dir, s
         # The client learns what stopped the preview and which backend stood in.
         meta = next(d for name, d in events if name == "chunk")["metadata"]["preview"]
         assert meta["fallback"] == "repeat-previous"
-        assert any("process" in s for s in meta["stopped"])
+        assert meta["stopped"] == ["look up 'example.org' on the network"]
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
@@ -161,13 +189,46 @@ async def test_stopped_preview_falls_back_to_a_local_model(
         jp_fetch, jp_serverapp, jp_root_dir, store_path, "words = ['a', 'b']\nprint(len(words))"
     )
     try:
-        events = await predict(jp_fetch, kernel_id, "import os\nos.remove('data.csv')\nprint(2)")
+        events = await predict(
+            jp_fetch,
+            kernel_id,
+            "import socket\nsocket.create_connection(('10.1.2.3', 80))\nprint(2)",
+        )
         chunks = [d for name, d in events if name == "chunk"]
         assert chunks, events
         assert "".join(c["text"] for c in chunks).strip()
         meta = chunks[0]["metadata"]["preview"]
         assert meta["fallback"] == "llamacpp"
-        assert meta["stopped"] == ["delete data.csv"]
+        assert meta["stopped"] == ["open a network connection (('10.1.2.3', 80))"]
         assert events[-1][0] == "done"
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+async def test_a_status_that_lags_behind_the_kernel_is_waited_for(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    """The server learns the kernel's state from status messages that arrive after the replies
+    they follow. A preview asked while the state still says "busy" from a request that has
+    already been answered waits for the "idle" instead of answering "kernel busy"."""
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 41")
+    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    try:
+        kernel.execution_state = "busy"  # as it reads right after a reply
+
+        async def idle_soon() -> None:
+            await asyncio.sleep(0.3)
+            kernel.execution_state = "idle"
+
+        idle = asyncio.create_task(idle_soon())
+        events = await predict(jp_fetch, kernel_id, "x + 1")
+        await idle
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "42\n", events
+        # A state that stays busy past `busy_wait` is a running cell: no preview.
+        kernel.execution_state = "busy"
+        events = await predict(jp_fetch, kernel_id, "x + 1")
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert reasons and reasons[0].startswith("kernel busy (busy)"), events
+        kernel.execution_state = "idle"
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")

@@ -453,8 +453,9 @@ def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -
 
 
 def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: JupyterLab) -> None:
-    """With the output backend set to preview, the cell runs in a sandboxed copy of the kernel:
-    its output is the prediction; a side effect is stopped and named, and nothing happens."""
+    """With the output backend set to preview, the cell runs in an isolated copy of the kernel:
+    its output is the prediction (a file it writes is written in a private copy only); a reach
+    for the network is stopped and named, and nothing happens."""
     lab.api("PUT", SETTINGS, {"raw": '{"outputBackend": "preview", "debounceMs": 30}'})
     try:
         open_notebook(page, lab, "preview.ipynb")
@@ -472,13 +473,18 @@ def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: Jupy
         expect(ran.locator(".jp-OutputArea-output")).to_have_text("12")
         expect(ran.locator(".jp-ThemistoPredictionBadge")).to_have_attribute("data-matched", "true")
 
-        active = type_in_active_cell(page, "open('side.txt', 'w').write('x')")
+        active = type_in_active_cell(page, "open('side.txt', 'w').write('xyz')")
         page.keyboard.press("Alt+p")
         predicted = active.locator(".jp-ThemistoPredictedOutput")
+        expect(predicted).to_have_attribute("data-state", "done")
+        expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("3")
+        assert not (lab.root / "side.txt").exists()
+        page.keyboard.press("Control+a")
+        page.keyboard.type("import socket; socket.create_connection(('127.0.0.1', 9))")
+        page.keyboard.press("Alt+p")
         expect(predicted).to_have_attribute("data-state", "none")
         label = predicted.locator(".jp-ThemistoPredictedOutput-label")
-        expect(label).to_contain_text("preview stopped: the cell would write side.txt")
-        assert not (lab.root / "side.txt").exists()
+        expect(label).to_contain_text("preview stopped: the cell would open a network connection")
         shot(page, "7-preview-stopped")
     finally:
         lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})

@@ -31,12 +31,14 @@ from .base import (
 class PreviewPredictor(Predictor):
     """Settings (all optional): `timeout` (s, wall clock of the cell, default 5),
     `memory_mb` (allowed beyond the kernel's memory, default 1024), `cpu_seconds` (default 10),
-    `fallback` (a backend name for stopped previews), `fallback_config` (its settings)."""
+    `busy_wait` (s to wait for a busy kernel to become idle before answering "kernel busy",
+    default 1), `fallback` (a backend name for stopped previews), `fallback_config` (its
+    settings)."""
 
     name = "preview"
     description = (
-        "Runs the cell in a sandboxed copy-on-write fork of the live kernel (no writes, no "
-        "network, no processes) and shows what it printed."
+        "Runs the cell in an isolated copy-on-write fork of the live kernel (private copy of "
+        "the files, no network, nothing shared with the kernel) and shows what it printed."
     )
     tasks = ("output",)
 
@@ -45,8 +47,11 @@ class PreviewPredictor(Predictor):
         self.timeout = float(self.config.get("timeout", 5.0))
         self.memory_mb = int(self.config.get("memory_mb", 1024))
         self.cpu_seconds = int(self.config.get("cpu_seconds", 10))
+        self.busy_wait = float(self.config.get("busy_wait", 1.0))
         if self.timeout <= 0 or self.memory_mb <= 0 or self.cpu_seconds <= 0:
             raise ValueError("preview: timeout, memory_mb and cpu_seconds must be positive")
+        if self.busy_wait < 0:
+            raise ValueError("preview: busy_wait must not be negative")
         self.fallback_name: str | None = self.config.get("fallback") or None
         if self.fallback_name == self.name:
             raise ValueError("preview: the fallback backend cannot be preview itself")
@@ -94,10 +99,22 @@ class PreviewPredictor(Predictor):
         finally:
             sock.close()
 
+    async def _idle_state(self, kernel: Any) -> str:
+        """The kernel's execution state, given `busy_wait` to become idle. The server learns
+        the state from the kernel's status messages, which arrive after the replies they
+        follow: right after a preview (or a cell) has answered, the state still says "busy"
+        for a moment although the kernel is idle."""
+        deadline = time.monotonic() + self.busy_wait
+        while True:
+            state = getattr(kernel, "execution_state", "idle")
+            if state == "idle" or time.monotonic() >= deadline:
+                return str(state)
+            await asyncio.sleep(0.01)
+
     async def run_preview(self, kernel_id: str, source: str) -> dict[str, Any]:
         """The kernel's preview reply for `source` (see kernel/preview.py for its fields)."""
         kernel = self._kernel(kernel_id)
-        state = getattr(kernel, "execution_state", "idle")
+        state = await self._idle_state(kernel)
         if state != "idle":
             # Never queue behind the person's running cell.
             raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
@@ -183,20 +200,13 @@ class PreviewPredictor(Predictor):
     async def health(self) -> dict[str, Any]:
         if self.env.kernel_manager is None:
             return {"ok": False, "detail": "needs a live kernel (no kernel manager)"}
-        layers = []
-        try:
-            import landlock
+        # What this machine offers (the kernel's machine is usually the same one).
+        from ..kernel import sandbox
 
-            layers.append(f"Landlock ABI {landlock.landlock_abi_version()}")
-        except Exception as e:
-            layers.append(f"Landlock unavailable ({e})")
-        try:
-            import pyseccomp  # noqa: F401 - loads libseccomp
-
-            layers.append("seccomp")
-        except Exception as e:
-            layers.append(f"seccomp unavailable ({e})")
-        return {"ok": True, "detail": "ready: sandboxed fork of the kernel; " + ", ".join(layers)}
+        abi = sandbox.landlock_abi()
+        layers = [f"Landlock ABI {abi}" if abi else "Landlock unavailable"]
+        layers.append("seccomp" if sandbox.pyseccomp is not None else "seccomp unavailable")
+        return {"ok": True, "detail": "ready: isolated fork of the kernel; " + ", ".join(layers)}
 
     async def aclose(self) -> None:
         if self._fallback is not None:
