@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from jupyter_themisto.store import TrajectoryStore
+from tests.peers import OpenAIPeer
 
 
 @pytest.fixture
@@ -20,13 +21,22 @@ def fallback():
 
 
 @pytest.fixture
-def jp_server_config(store_path, fallback):
+def fallback_settings(fallback, request):
+    if fallback == "openai":  # a loopback model server stands in
+        peer = request.getfixturevalue("peer")
+        return {"openai": {"base_url": peer.url, "api_key": "loopback", "max_retries": 0}}
+    return {}
+
+
+@pytest.fixture
+def jp_server_config(store_path, fallback, fallback_settings):
     settings = {"timeout": 5.0}
     if fallback:
         settings["fallback"] = fallback
+    backends = {"preview": settings, **fallback_settings}
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {"auto_record": True, "backend_settings": {"preview": settings}},
+        "ThemistoExtensionApp": {"auto_record": True, "backend_settings": backends},
     }
 
 
@@ -224,11 +234,50 @@ async def test_a_status_that_lags_behind_the_kernel_is_waited_for(
         events = await predict(jp_fetch, kernel_id, "x + 1")
         await idle
         assert "".join(d["text"] for n, d in events if n == "chunk") == "42\n", events
-        # A state that stays busy past `busy_wait` is a running cell: no preview.
+        # A state that stays busy past `busy_wait` is a running cell: no preview. (The first
+        # preview's own status messages land first, or they would reset the state by hand.)
+        await wait_for(lambda: kernel.execution_state == "idle")
+        await asyncio.sleep(1.0)
         kernel.execution_state = "busy"
         events = await predict(jp_fetch, kernel_id, "x + 1")
         reasons = [d["reason"] for n, d in events if n == "no_prediction"]
         assert reasons and reasons[0].startswith("kernel busy (busy)"), events
         kernel.execution_state = "idle"
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+SECRET = "hunter2-planted-preview-0001"
+
+
+@pytest.fixture
+def peer():
+    with OpenAIPeer(reply="42") as p:
+        yield p
+
+
+@pytest.mark.parametrize("fallback", ["openai"])
+async def test_the_preview_runs_the_cell_as_written_and_its_fallback_gets_no_secret(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path, peer
+):
+    """Secrets are scrubbed from what a model receives, not from what runs in the person's
+    own kernel: the preview answers as the real cell would; a stopped preview's stand-in (a
+    loopback model server) never sees the value."""
+    kernel_id = await live_kernel(
+        jp_fetch, jp_serverapp, jp_root_dir, store_path, f"api_key = {SECRET!r}"
+    )
+    try:
+        source = f"print(len(api_key), api_key == {SECRET!r})"
+        events = await predict(jp_fetch, kernel_id, source)
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "28 True\n", events
+        assert peer.requests == []
+
+        stopped = f"import socket\nsocket.create_connection(('10.1.2.3', 80))\nprint({SECRET!r})"
+        events = await predict(jp_fetch, kernel_id, stopped)
+        chunks = [d for n, d in events if n == "chunk"]
+        assert chunks and chunks[0]["metadata"]["preview"]["fallback"] == "openai", events
+        assert len(peer.requests) == 1
+        sent = json.dumps([r.body for r in peer.requests])
+        assert "socket.create_connection" in sent and SECRET not in sent
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +42,12 @@ class BackendEnv:
     store: TrajectoryStore | None = None
     kernel_manager: Any = None
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("jupyter_themisto"))
+    #: the host's secrets door: a context with every known secret scrubbed. A backend that gets
+    #: the context as it is (`sees_secrets`) passes on only what this returns.
+    scrub: Callable[[PredictionContext], PredictionContext] | None = None
+    #: the host's own instance of a backend by name (its settings, its loaded model), for a
+    #: backend that hands over to another (the preview's fallback)
+    lookup: Callable[[str], Predictor] | None = None
 
 
 class BackendError(Exception):
@@ -78,6 +84,10 @@ class Predictor:
     description: ClassVar[str] = ""
     #: which tasks the backend serves: "next-cell", "output"
     tasks: ClassVar[tuple[str, ...]] = ("next-cell", "output")
+    #: True for a backend that runs the cell in the person's own kernel (the preview): it gets
+    #: the context unscrubbed, as the cell really reads, and scrubs whatever it passes on
+    #: (`env.scrub`). Every other backend gets only scrubbed contexts.
+    sees_secrets: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any] | None = None, env: BackendEnv | None = None):
         self.config = dict(config or {})

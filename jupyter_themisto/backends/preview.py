@@ -33,7 +33,7 @@ class PreviewPredictor(Predictor):
     `memory_mb` (allowed beyond the kernel's memory, default 1024), `cpu_seconds` (default 10),
     `busy_wait` (s to wait for a busy kernel to become idle before answering "kernel busy",
     default 1), `fallback` (a backend name for stopped previews), `fallback_config` (its
-    settings)."""
+    settings; default: the host's own settings and instance of that backend)."""
 
     name = "preview"
     description = (
@@ -41,6 +41,8 @@ class PreviewPredictor(Predictor):
         "the files, no network, nothing shared with the kernel) and shows what it printed."
     )
     tasks = ("output",)
+    # The cell runs in the person's kernel as written; the fallback gets the scrubbed context.
+    sees_secrets = True
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None):
         super().__init__(config, env)
@@ -176,7 +178,8 @@ class PreviewPredictor(Predictor):
             if fallback is None:
                 raise NoPrediction(f"{why} (no fallback backend configured)")
             meta["preview"]["fallback"] = fallback.name
-            async for chunk in fallback.predict_output(ctx):
+            passed_on = self.env.scrub(ctx) if self.env.scrub is not None else ctx
+            async for chunk in fallback.predict_output(passed_on):
                 chunk.metadata = {**meta, **chunk.metadata}
                 yield chunk
             return
@@ -192,9 +195,11 @@ class PreviewPredictor(Predictor):
         if self._fallback is None:
             from .registry import create_backend
 
-            self._fallback = create_backend(
-                self.fallback_name, self.config.get("fallback_config"), self.env
-            )
+            own = self.config.get("fallback_config")
+            if own is None and self.env.lookup is not None:
+                # The host's instance: its settings, its loaded model (closed by the host).
+                return self.env.lookup(self.fallback_name)
+            self._fallback = create_backend(self.fallback_name, own, self.env)
         return self._fallback
 
     async def health(self) -> dict[str, Any]:

@@ -144,7 +144,13 @@ class ThemistoManager:
         """The (cached) backend instance; UnknownBackend / BackendUnavailable otherwise."""
         name = name or self.default_backend
         if name not in self._backends:
-            env = BackendEnv(store=self.store, kernel_manager=self.kernel_manager, log=self.log)
+            env = BackendEnv(
+                store=self.store,
+                kernel_manager=self.kernel_manager,
+                log=self.log,
+                scrub=self.redactor.scrub_context,
+                lookup=self.backend,
+            )
             self._backends[name] = create_backend(name, self.backend_settings.get(name), env)
         return self._backends[name]
 
@@ -369,8 +375,10 @@ class ThemistoManager:
             if req.with_runtime and task == "output":
                 await self.wait_for_snapshot(trajectory)
             ctx = self.context(req, trajectory)
-        # The one door to every backend: nothing secret passes it (values, literals, keys).
-        ctx = self.redactor.scrub_context(ctx)
+        # The one door to every backend: nothing secret passes it (values, literals, keys),
+        # except into the person's own kernel (the preview runs the cell as it really reads).
+        if not backend.sees_secrets:
+            ctx = self.redactor.scrub_context(ctx)
         started = time.perf_counter()
         deadline = started + self.prediction_timeout
         agen: Any  # an async generator of NextCellChunk or OutputChunk
