@@ -75,7 +75,8 @@ class Kernel:
         return [
             {"msg_type": m["msg_type"], **m["content"]}
             for m in msgs
-            if m["msg_type"] in ("stream", "display_data", "execute_result", "error")
+            if m["msg_type"]
+            in ("stream", "display_data", "execute_result", "error", "clear_output")
         ]
 
     def value(self, expr: str) -> str:

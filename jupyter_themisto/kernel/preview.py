@@ -47,8 +47,8 @@ MAX_REPLY = MAX_PAYLOAD + 2**16
 REPLY_END = b"\n\x04"
 #: how often the kernel checks the child's memory while it runs (seconds)
 MEMORY_POLL = 0.02
-#: ipykernel's OutStream.flush_interval: what a stream buffers becomes an output this long after
-#: the first write
+#: ipykernel's OutStream.flush_interval (the kernel's own streams' value is used where they have
+#: one): what a stream buffers becomes an output this long after the first write
 FLUSH_INTERVAL = 0.2
 
 
@@ -71,9 +71,10 @@ class _Outputs:
     MAX_PAYLOAD characters of streams in all it stops the preview (the kernel would read no
     more)."""
 
-    def __init__(self, stopped: list[str]) -> None:
+    def __init__(self, stopped: list[str], intervals: dict[str, float]) -> None:
         self.list: list[dict[str, Any]] = []
         self.stopped = stopped
+        self.intervals = intervals
         self.total = 0
         self.pending: dict[str, list[str]] = {}
         self.since: dict[str, float] = {}
@@ -95,7 +96,7 @@ class _Outputs:
 
     def _due(self, now: float) -> None:
         for name in sorted(self.since, key=self.since.__getitem__):
-            if now - self.since[name] >= FLUSH_INTERVAL:
+            if now - self.since[name] >= self.intervals.get(name, FLUSH_INTERVAL):
                 self.flush(name)
 
     def flush(self, name: str) -> None:
@@ -283,6 +284,11 @@ class _KernelState:
         # (`random` reseeds itself in a forked child: the cell's numbers would not be the
         # kernel's)
         self.random = random.getstate() if random is not None else None
+        self.flush_intervals = {}
+        for name in ("stdout", "stderr"):
+            interval = getattr(getattr(sys, name), "flush_interval", None)
+            if isinstance(interval, (int, float)):
+                self.flush_intervals[name] = float(interval)
 
     def restore(self) -> None:
         if self.random is not None:
@@ -313,7 +319,7 @@ def _child(
     cell, send the outputs back. Never returns."""
     reply: dict[str, Any] = {"outputs": [], "stopped": [], "sandbox": {}, "status": "ok"}
     stopped: list[str] = reply["stopped"]
-    outputs = _Outputs(stopped)
+    outputs = _Outputs(stopped, kernel.flush_intervals)
     try:
         started = time.perf_counter()
         gc.freeze()  # the kernel's objects: no collection here touches (copies) their pages
