@@ -36,11 +36,8 @@ sys.path.insert(0, str(HERE))
 from next_cell_latency import free_port, start_server, suggestions  # noqa: E402
 
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor  # noqa: E402
-from jupyter_themisto.context import (  # noqa: E402
-    ContextCell,
-    PredictionContext,
-    completion_prompt,
-)
+from jupyter_themisto.backends.prompts import completion_prompt  # noqa: E402
+from jupyter_themisto.context import ContextCell, PredictionContext  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
 
 NOTEBOOK = HERE / "notebooks" / "sales_analysis.ipynb"
@@ -80,7 +77,7 @@ async def in_process(repeat: int) -> None:
     print(f"load: {(time.perf_counter() - start) * 1000:.0f} ms (once per process)")
     llm = model.model
     ctx = context(notebook_cells(12))
-    prompt, _ = completion_prompt(ctx, "next-cell")
+    prompt = completion_prompt(ctx, "next-cell").text
     print(f"context: 12 cells, {len(llm.tokenize(prompt.encode()))} prompt tokens")
 
     cold_first, cold_total, warm_first, warm_total = [], [], [], []

@@ -19,7 +19,8 @@ from jupyter_themisto.backends import BackendUnavailable, create_backend
 from jupyter_themisto.backends._local import Completion, loaded_models, stream_from_thread
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
 from jupyter_themisto.backends.openai import OpenAIPredictor
-from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, completion_prompt
+from jupyter_themisto.backends.prompts import completion_prompt
+from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
 from tests.peers import free_port
 from tests.test_server import parse_sse
 
@@ -84,7 +85,8 @@ async def test_next_cell_stops_at_the_cell_boundary(model_file):
     text = (await next_cells(backend, session()))[0]
     # The prompt is a percent-format script that ends with an open "# %%" cell; the answer is
     # what the model writes there, up to the next cell marker or output comment.
-    prompt, stops = completion_prompt(session(), "next-cell")
+    p = completion_prompt(session(), "next-cell")
+    prompt, stops = p.text, p.stops
     assert prompt.endswith("\n# %%\n") and "# %%" in stops
     raw = backend.shared().model.create_completion(prompt, max_tokens=64, temperature=0.0)
     raw_text = raw["choices"][0]["text"]
