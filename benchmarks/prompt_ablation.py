@@ -28,15 +28,14 @@ from jupyter_themisto.backends import NoPrediction, create_backend
 from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
 
 #: name -> (settings, with_runtime); the first is the reference the others change one thing of
+_PLAIN = {"prompt_runtime": "none", "prompt_window_step": 10, "max_tokens": 64}
 DEFAULT_VARIANTS = {
-    "plain10": ({"prompt_runtime": "none"}, False),
-    "cells5": ({"prompt_runtime": "none", "prompt_cells": 5}, False),
-    "cells20": ({"prompt_runtime": "none", "prompt_cells": 20}, False),
-    "out-last": ({"prompt_runtime": "none", "prompt_outputs": "last"}, True),
-    "out-all": ({"prompt_runtime": "none", "prompt_outputs": "all"}, True),
-    "vars-header": ({"prompt_runtime": "header"}, True),
-    "vars-end": ({"prompt_runtime": "end"}, True),
-    "chatml": ({"prompt_runtime": "none", "prompt_template": "chatml"}, False),
+    "plain": (_PLAIN, False),
+    "vars-end": ({**_PLAIN, "prompt_runtime": "end"}, True),
+    "vars-header": ({**_PLAIN, "prompt_runtime": "header"}, True),
+    "out-last": ({**_PLAIN, "prompt_outputs": "last"}, True),
+    "cells5": ({**_PLAIN, "prompt_cells": 5, "prompt_window_step": 5}, False),
+    "chatml": ({**_PLAIN, "prompt_template": "chatml"}, False),
 }
 
 
@@ -58,10 +57,26 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any], bool]:
     return name, settings, with_runtime
 
 
-def sample(instances: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
-    """`n` instances drawn with `seed`, in notebook order (trajectory, then order index)."""
-    chosen = random.Random(seed).sample(instances, min(n, len(instances)))
-    return sorted(chosen, key=lambda i: (i["trajectory_id"], i["order_index"]))
+def sample(
+    instances: list[dict[str, Any]], n: int, seed: int, per_notebook: int
+) -> list[dict[str, Any]]:
+    """About `n` instances: notebooks drawn in a `seed`ed order, from each a stretch of at most
+    `per_notebook` consecutive instances (from a seeded start), in notebook order. Consecutive
+    cells share their prompt's beginning, so the model's prompt cache serves them."""
+    rng = random.Random(seed)
+    by_notebook: dict[str, list[dict[str, Any]]] = {}
+    for i in sorted(instances, key=lambda i: (i["trajectory_id"], i["order_index"])):
+        by_notebook.setdefault(i["trajectory_id"], []).append(i)
+    order = sorted(by_notebook)
+    rng.shuffle(order)
+    chosen: list[dict[str, Any]] = []
+    for tid in order:
+        if len(chosen) >= n:
+            break
+        rows = by_notebook[tid]
+        start = rng.randrange(max(1, len(rows) - per_notebook + 1))
+        chosen += rows[start : start + min(per_notebook, n - len(chosen))]
+    return chosen
 
 
 async def run_variant(
@@ -127,6 +142,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="GGUF file for the llamacpp backend")
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-notebook", type=int, default=20, help="consecutive instances each")
     p.add_argument("--setting", choices=("trajectory", "live"), default="trajectory")
     p.add_argument("--out", type=Path, default=Path("ablation"))
     p.add_argument("--n-ctx", type=int, default=4096)
@@ -138,7 +154,9 @@ def main() -> None:
         read_table(args.dump, manifest, "notebook_cells") if args.setting == "live" else None
     )
     contexts = DumpContexts(executions, 3000, notebook_cells)
-    instances = sample(read_table(args.dump, manifest, "next_cell"), args.n, args.seed)
+    instances = sample(
+        read_table(args.dump, manifest, "next_cell"), args.n, args.seed, args.per_notebook
+    )
     variants = (
         {name: (s, r) for name, s, r in map(parse_variant, args.variant)}
         if args.variant

@@ -199,6 +199,7 @@ class ThemistoManager:
             variables = [redact_variable(v) for v in self.store.latest_variables(tid)]
             changes = self.store.variable_changes(tid)
         cells = [c.model_dump() for c in req.cells] if req.cells else None
+        below = [c.model_dump() for c in req.cells_below] if req.cells_below else None
         # Only the tail fits in the budget: read a little, and more only while all of it fits,
         # so that a request costs the same however long the trajectory is.
         tail = 48
@@ -210,6 +211,7 @@ class ThemistoManager:
                 with_runtime=req.with_runtime,
                 target_source=getattr(req, "source", None),
                 notebook_cells=cells,
+                cells_below=below,
                 variable_changes=changes,
                 token_budget=self.token_budget,
                 max_output_chars=self.max_output_chars,
