@@ -7,9 +7,9 @@ markdown above the target cell and the cells below it) and scores every predicti
 (jupyter_themisto.metrics). In --out DIR (default DUMP/evaluation) it writes, per run (task ×
 backend × with/without runtime × setting): `<task>__<backend>__<runtime>[__live].jsonl`, one
 line per example, appended and flushed as each one finishes, so an interrupted run resumes
-where it stopped (examples already scored are skipped; failed ones are retried). After each run it rewrites, from all the runs in DIR,
-`summary.json`, `results.md` (a Markdown table) and `results.png` (each metric per run, with
-and without runtime side by side).
+where it stopped (examples already scored are skipped; failed ones are retried). After each
+run it rewrites, from all the runs in DIR, `summary.json`, `results.md` (a Markdown table)
+and `results.png` (each metric per run, with and without runtime side by side).
 """
 
 from __future__ import annotations
