@@ -146,6 +146,12 @@ def main() -> None:
     p.add_argument("--setting", choices=("trajectory", "live"), default="trajectory")
     p.add_argument("--out", type=Path, default=Path("ablation"))
     p.add_argument("--n-ctx", type=int, default=4096)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="model threads (default: the usable cores; on a loaded machine 1 can be faster)",
+    )
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,...")
     args = p.parse_args()
     manifest = read_manifest(args.dump)
@@ -174,6 +180,8 @@ def main() -> None:
     table.append(("repeat-previous", summary(base)))
     for name, (settings, with_runtime) in variants.items():
         settings = {"model_path": args.model, "n_ctx": args.n_ctx, **settings}
+        if args.threads:
+            settings["n_threads"] = args.threads
         rows = asyncio.run(
             run_variant(
                 "llamacpp",

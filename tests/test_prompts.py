@@ -86,7 +86,7 @@ def test_window_keeps_the_newest_cells_and_its_start_moves_in_steps():
         return [line for line in text.splitlines() if line.startswith("x")]
 
     assert shown(4, cells=10) == ["x0 = 0", "x1 = 1", "x2 = 2", "x3 = 3"]
-    assert shown(25, cells=3) == ["x22 = 22", "x23 = 23", "x24 = 24"]
+    assert shown(25, cells=3, window_step=1) == ["x22 = 22", "x23 = 23", "x24 = 24"]
     # With a step of 5, the first cell shown stays put while 3 to 7 cells are shown.
     firsts = [shown(n, cells=3, window_step=5)[0] for n in range(8, 14)]
     assert firsts == ["x5 = 5"] * 5 + ["x10 = 10"]
@@ -101,7 +101,8 @@ def test_window_keeps_the_markdown_right_above_its_first_cell():
         ContextCell(source="b = 2", order_index=1),
         ContextCell(source="c = 3", order_index=2),
     ]
-    text = next_cell_prompt(PredictionContext(cells=cells), PromptOptions(cells=2)).text
+    options = PromptOptions(cells=2, window_step=1)
+    text = next_cell_prompt(PredictionContext(cells=cells), options).text
     assert text == "# %% [markdown]\n# Plot it\n\n# %%\nb = 2\n\n# %%\nc = 3\n\n# %%\n"
 
 

@@ -21,7 +21,7 @@ from ..context import PredictionContext
 from ._text import FenceStripper, StopScanner
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 from .prompts import FimTokens, Prompt, PromptOptions, next_cell_prompt, output_prompt
-from .ranking import Candidate, normalized, rank
+from .ranking import Candidate, normalized, rank, with_each_source
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,9 @@ class LocalModelPredictor(Predictor):
             if wanted == 1:
                 return
         candidates = [Candidate(greedy, "greedy")] if shown else []
-        for attempt in range(1, wanted + (1 if shown else 2)):
+        # Samples: one per further place (one more when the greedy answer failed); retrieved
+        # cells come free and compete for the same places.
+        for attempt in range(1, wanted + (0 if shown else 1)):
             job = Completion.of(
                 prompt, self.max_tokens, self.sample_temperature, self.seed + attempt
             )
@@ -255,7 +257,8 @@ class LocalModelPredictor(Predictor):
             yield NextCellChunk(index=0, text="", score=top.score if top else 0.0)
             ranked = [c for c in ranked if c is not top]
         start = 1 if shown else 0
-        for i, c in enumerate(ranked[: wanted - start]):
+        ranked = with_each_source(ranked, wanted - start)
+        for i, c in enumerate(ranked):
             meta = {"source": c.source}
             yield NextCellChunk(
                 index=start + i, text=c.text, done=True, score=c.score, metadata=meta

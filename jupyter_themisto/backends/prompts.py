@@ -78,7 +78,7 @@ class PromptOptions:
     """
 
     cells: int = 10
-    window_step: int = 1
+    window_step: int = 10
     outputs: str = "none"
     runtime: str = "header"
     markdown: bool = True

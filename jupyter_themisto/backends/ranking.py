@@ -87,3 +87,18 @@ def rank(candidates: Sequence[Candidate], previous: str | None = None) -> list[C
         distinct[key].score = round(agree / (total + own), 4)
     order = sorted(range(len(keys)), key=lambda i: (-distinct[keys[i]].score, i))
     return [distinct[keys[i]] for i in order]
+
+
+def with_each_source(ranked: list[Candidate], places: int) -> list[Candidate]:
+    """The best `places` candidates, where the best of a source left out (a retrieved cell,
+    written by a person, among model samples) takes the last place: a list of alternatives
+    should offer different kinds of answer, not only variations of one."""
+    chosen = ranked[:places]
+    for source in dict.fromkeys(c.source for c in ranked):
+        if places > 1 and all(c.source != source for c in chosen):
+            best = next(c for c in ranked if c.source == source)
+            kept = [c for c in chosen if sum(x.source == c.source for x in chosen) > 1]
+            if kept:
+                chosen.remove(kept[-1])
+                chosen.append(best)
+    return sorted(chosen, key=ranked.index)
