@@ -2,9 +2,10 @@
 and the live setting; prints the table and the issue's figures.
 
 The whole research pipeline through the real CLI: `jupyter themisto record` re-executes the
-notebooks (default: benchmarks/notebooks/*.ipynb; or a store recorded before, --store) into a
-store; `export` writes one dump per notebook and, beside it, one of all the other notebooks;
-`evaluate` runs every backend on every task, with and without the runtime summary, in each
+notebooks into a store — by default the benchmark corpus (benchmarks/corpus.json, real public
+notebooks written by others, recorded by benchmarks/corpus.py), or the notebooks named, or a
+store recorded before (--store); `export` writes one dump per notebook and, beside it, one of
+all the other notebooks; `evaluate` runs every backend on every task, with and without the runtime summary, in each
 setting — `trajectory` (the executions before the target only) and `live` (also what the
 browser sends: the notebook's markdown above the target and the cells below it) —
 leave-one-notebook-out: a backend that learns from history (retrieval, ret-train, the
@@ -66,7 +67,7 @@ def figures(summary: dict, model: str) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("notebooks", nargs="*", type=Path)
+    p.add_argument("notebooks", nargs="*", type=Path, help="default: the benchmark corpus")
     p.add_argument("--backends", default="repeat-previous,retrieval,llamacpp")
     p.add_argument("--tasks", default="next-cell,output")
     p.add_argument("--settings", default="trajectory,live")
@@ -94,8 +95,13 @@ def main() -> None:
         store_file = args.store or out / "trajectories.sqlite"
         store = ["--store", str(store_file)]
         if args.store is None and not (out / "dumps").exists():
-            notebooks = args.notebooks or sorted((HERE / "notebooks").glob("*.ipynb"))
-            run(*store, "record", "--allow-errors", *map(str, notebooks))
+            if args.notebooks:
+                run(*store, "record", "--allow-errors", *map(str, args.notebooks))
+            else:
+                sys.path.insert(0, str(HERE))
+                import corpus  # benchmarks/corpus.py: materializes and records the corpus
+
+                corpus.ensure_recorded(store_file)
         ids = [t["id"] for t in json.loads(run(*store, "list", "--json"))]
         for tid in ids:
             for name, chosen in ((tid, [tid]), (f"rest-{tid}", [i for i in ids if i != tid])):
