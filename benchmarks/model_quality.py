@@ -6,10 +6,10 @@ notebooks into a store — by default the benchmark corpus (benchmarks/corpus.js
 notebooks written by others, recorded by benchmarks/corpus.py), or the notebooks named, or a
 store recorded before (--store); `export` writes one dump per notebook and, beside it, one of
 all the other notebooks; `evaluate` runs every backend on every task, with and without the
-runtime summary, in each setting — `trajectory` (the executions before the target only) and `live` (also what the
-browser sends: the notebook's markdown above the target and the cells below it) —
-leave-one-notebook-out: a backend that learns from history (retrieval, ret-train, the
-retrieved candidates of a local model) may use the other notebooks (`--train`), never the
+runtime summary, in each setting — `trajectory` (the executions before the target only) and
+`live` (also what the browser sends: the notebook's markdown above the target and the cells
+below it) — leave-one-notebook-out: a backend that learns from history (retrieval, ret-train,
+the retrieved candidates of a local model) may use the other notebooks (`--train`), never the
 evaluated one. The runs of all notebooks go to one results folder, so the table (exact match,
 ROUGE-L, chrF, BLEU, API precision/recall) covers them all.
 
