@@ -72,6 +72,9 @@ def test_runtime_at_the_end_and_outputs_of_the_last_cell():
     )
     shown = next_cell_prompt(many, PromptOptions(outputs="last", max_output_lines=3)).text
     assert "#      2\n#      …" in shown and "#      3" not in shown
+    # Outputs are runtime information: without it, none is shown.
+    many.with_runtime = False
+    assert "# Out" not in next_cell_prompt(many, PromptOptions(outputs="all")).text
 
 
 def test_markdown_can_be_left_out():

@@ -66,7 +66,8 @@ class PromptOptions:
     window_step: the first cell shown moves in steps of this many executions, so that the
       prompts of consecutive cells share their beginning (a model's prompt cache reuses it);
       between `cells` and `cells + window_step - 1` cells are shown.
-    outputs: "none", "last" (the newest cell's output or error, as comments) or "all".
+    outputs: "none", "last" (the newest cell's output or error, as comments) or "all"; only
+      with runtime information (an output is part of it).
     runtime: where the live variables go: "none", "header" (a docstring at the top, read but
       not continued), "end" (comments right before the open cell).
     markdown: markdown cells of the notebook, as `# %% [markdown]` cells where they stand.
@@ -190,8 +191,11 @@ def next_cell_prompt(
             lines += _markdown_lines(c) + [""]
             continue
         lines += [CELL_MARKER, c.source.rstrip()]
-        if c.output_text.strip() and (
-            options.outputs == "all" or (options.outputs == "last" and i == newest)
+        # Outputs and errors are runtime information too: shown only with it.
+        if (
+            ctx.with_runtime
+            and c.output_text.strip()
+            and (options.outputs == "all" or (options.outputs == "last" and i == newest))
         ):
             lines += _output_lines(c, options.max_output_lines)
         lines.append("")
