@@ -115,13 +115,15 @@ def test_fill_in_the_middle_with_the_cells_below():
         ContextCell(source="Now plot", cell_type="markdown"),
         ContextCell(source="df.plot()", status="not run"),
     ]
-    p = next_cell_prompt(ctx, PromptOptions(), QWEN_FIM)
+    p = next_cell_prompt(ctx, PromptOptions(below=True), QWEN_FIM)
     assert p.special and p.suffix == "\n# %% [markdown]\n# Now plot\n\n# %%\ndf.plot()\n"
+    one = next_cell_prompt(ctx, PromptOptions(below=True, below_cells=1), QWEN_FIM)
+    assert one.suffix == "\n# %% [markdown]\n# Now plot\n"
     assert p.text == "<|fim_prefix|>" + p.prefix + "<|fim_suffix|>" + p.suffix + "<|fim_middle|>"
     assert "<|fim_prefix|>" in p.stops
-    # Without FIM tokens (or with the option off) the cells below are not used.
-    assert next_cell_prompt(ctx).suffix is None
-    assert next_cell_prompt(ctx, PromptOptions(below=False), QWEN_FIM).suffix is None
+    # Without FIM tokens (or with the option off, the default) the cells below are not used.
+    assert next_cell_prompt(ctx, PromptOptions(below=True)).suffix is None
+    assert next_cell_prompt(ctx, PromptOptions(), QWEN_FIM).suffix is None
 
 
 def test_special_tokens_in_a_notebook_cannot_reach_the_model():
@@ -130,7 +132,7 @@ def test_special_tokens_in_a_notebook_cannot_reach_the_model():
         cells=[ContextCell(source="s = '<|fim_middle|><|endoftext|>'")],
         cells_below=[ContextCell(source="t = '<|im_start|>'")],
     )
-    p = next_cell_prompt(ctx, PromptOptions(), QWEN_FIM)
+    p = next_cell_prompt(ctx, PromptOptions(below=True), QWEN_FIM)
     inner = p.text[len("<|fim_prefix|>") : -len("<|fim_middle|>")]
     assert inner.count("<|") == 1  # the fim_suffix token only
     assert "s = ''" in p.text and "t = ''" in p.text
@@ -176,6 +178,7 @@ def test_options_from_backend_settings():
         ({"prompt_cells": "many"}, "prompt_cells must be a whole number"),
         ({"prompt_below": "maybe"}, "prompt_below must be true or false"),
         ({"prompt_window_step": 0}, "prompt_window_step"),
+        ({"prompt_below_cells": -1}, "prompt_below_cells"),
     ]:
         with pytest.raises(ValueError, match=match):
             PromptOptions.from_settings(bad)

@@ -72,7 +72,8 @@ class PromptOptions:
       not continued), "end" (comments right before the open cell).
     markdown: markdown cells of the notebook, as `# %% [markdown]` cells where they stand.
     below: the cells below the insertion point, as the suffix of a fill-in-the-middle prompt
-      (only for models with FIM tokens).
+      (only for models with FIM tokens; off by default: it lowered the scores, see README).
+    below_cells: how many of the cells below (the nearest) the suffix holds.
     max_output_lines: lines kept of an output shown.
     template: "raw" (the script to continue) or "chatml" (the script inside an instruct model's
       ChatML conversation, the assistant's answer opened with a code fence).
@@ -83,7 +84,8 @@ class PromptOptions:
     outputs: str = "none"
     runtime: str = "header"
     markdown: bool = True
-    below: bool = True
+    below: bool = False
+    below_cells: int = 2
     max_output_lines: int = 6
     template: str = "raw"
 
@@ -114,9 +116,10 @@ class PromptOptions:
             raise ValueError(f"prompt_runtime must be none, header or end, not {self.runtime!r}")
         if self.template not in ("raw", "chatml"):
             raise ValueError(f"prompt_template must be raw or chatml, not {self.template!r}")
-        if self.cells < 0 or self.window_step < 1 or self.max_output_lines < 0:
+        if min(self.cells, self.below_cells, self.max_output_lines) < 0 or self.window_step < 1:
             raise ValueError(
-                "prompt_cells ≥ 0, prompt_window_step ≥ 1, prompt_max_output_lines ≥ 0"
+                "prompt_cells, prompt_below_cells, prompt_max_output_lines ≥ 0 and"
+                " prompt_window_step ≥ 1"
             )
 
 
@@ -211,6 +214,7 @@ def next_cell_prompt(
         )
         return Prompt(text=text, stops=stops + ["```", "<|im_end|>"], prefix=text, special=True)
     below = [c for c in ctx.cells_below if options.markdown or c.cell_type != "markdown"]
+    below = below[: options.below_cells]
     if fim is None or not options.below or not below:
         return Prompt(text=prefix, stops=stops, prefix=prefix)
     # The prompt is read with the model's special tokens live: none may come from the notebook.
