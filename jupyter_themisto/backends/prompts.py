@@ -81,8 +81,8 @@ class PromptOptions:
 
     cells: int = 10
     window_step: int = 10
-    outputs: str = "none"
-    runtime: str = "header"
+    outputs: str = "last"
+    runtime: str = "none"
     markdown: bool = True
     below: bool = False
     below_cells: int = 2
