@@ -648,3 +648,38 @@ def test_evaluate_live_setting_with_the_local_model(dump, tmp_path):
     rows = [json.loads(x) for x in (out / "next-cell__llamacpp__with-runtime__live.jsonl").open()]
     assert len(rows) == 3 and all("error" not in r and "scores" in r for r in rows)
     assert any(r["prediction"].strip() for r in rows)
+
+
+def test_notebooks_without_cell_ids_match_by_position(tmp_path):
+    """A notebook older than nbformat 4.5 has no cell ids: record and export name its cells by
+    position alike, so the live setting still finds the markdown and the cells below."""
+    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell("# Old notebook"),
+            new_code_cell("a = 1"),
+            new_markdown_cell("Now b"),
+            new_code_cell("b = a + 1"),
+            new_code_cell("print(b)"),
+        ]
+    )
+    nb.nbformat_minor = 4
+    for cell in nb.cells:
+        del cell["id"]
+    path = tmp_path / "old.ipynb"
+    path.write_text(json.dumps(nb))
+    assert '"id"' not in path.read_text()
+    store = tmp_path / "s.sqlite"
+    assert cli("record", str(path), store=store).returncode == 0
+    out = tmp_path / "dump"
+    assert cli("export", "--out", str(out), store=store).returncode == 0
+    manifest = read_manifest(out)
+    executions = read_table(out, manifest, "executions")
+    assert [e["cell_id"] for e in executions] == ["position-1", "position-3", "position-4"]
+    cells = read_table(out, manifest, "notebook_cells")
+    assert [c["cell_id"] for c in cells] == [f"position-{i}" for i in range(5)]
+    instance = next(i for i in read_table(out, manifest, "next_cell") if i["order_index"] == 1)
+    ctx = DumpContexts(executions, 3000, cells).build(instance, True)
+    assert [c.source for c in ctx.cells] == ["# Old notebook", "a = 1", "Now b"]
+    assert [c.source for c in ctx.cells_below] == ["print(b)"]

@@ -182,7 +182,8 @@ class DumpContexts:
         if self.notebooks is None:
             return None, None
         cells = self.notebooks.get(instance["trajectory_id"], [])
-        at = next((i for i, c in enumerate(cells) if c["id"] == instance.get("cell_id")), None)
+        cid = instance.get("cell_id")
+        at = next((i for i, c in enumerate(cells) if cid and c["id"] == cid), None)
         if at is None:
             return None, None
         return cells[:at], cells[at + 1 :]

@@ -20,7 +20,7 @@ from typing import Any
 from .. import redaction
 from .._version import __version__
 from ..context import outputs_to_text
-from ._common import CliError, atomic_dir, open_store, progress, write_json
+from ._common import CliError, atomic_dir, notebook_cell_id, open_store, progress, write_json
 from .listing import resolve_trajectory
 
 DUMP_VERSION = 1
@@ -275,7 +275,7 @@ def notebook_cell_rows(trajectory: dict[str, Any], pattern: str | None) -> list[
             {
                 "trajectory_id": trajectory["id"],
                 "position": position,
-                "cell_id": cell.get("id"),
+                "cell_id": notebook_cell_id(cell, position),
                 "cell_type": str(cell.get("cell_type") or "code"),
                 "source": redaction.redact_source(source, pattern),
             }
