@@ -28,14 +28,22 @@ from jupyter_themisto.backends import NoPrediction, create_backend
 from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
 
 #: name -> (settings, with_runtime); the first is the reference the others change one thing of
-_PLAIN = {"prompt_runtime": "none", "prompt_window_step": 10, "max_tokens": 64}
+_PLAIN = {
+    "prompt_runtime": "none",
+    "prompt_outputs": "none",
+    "prompt_window_step": 10,
+    "max_tokens": 64,
+}
+#: what README's table shows (the markdown and FIM variants need --setting live)
 DEFAULT_VARIANTS = {
     "plain": (_PLAIN, False),
-    "vars-end": ({**_PLAIN, "prompt_runtime": "end"}, True),
-    "vars-header": ({**_PLAIN, "prompt_runtime": "header"}, True),
     "out-last": ({**_PLAIN, "prompt_outputs": "last"}, True),
-    "cells5": ({**_PLAIN, "prompt_cells": 5, "prompt_window_step": 5}, False),
+    "vars-header": ({**_PLAIN, "prompt_runtime": "header"}, True),
+    "rt-both": ({**_PLAIN, "prompt_runtime": "header", "prompt_outputs": "last"}, True),
+    "vars-end": ({**_PLAIN, "prompt_runtime": "end"}, True),
     "chatml": ({**_PLAIN, "prompt_template": "chatml"}, False),
+    "md": ({**_PLAIN, "prompt_markdown": True}, False),
+    "md-fim1": ({**_PLAIN, "prompt_below": True, "prompt_below_cells": 1}, False),
 }
 
 
