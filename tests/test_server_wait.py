@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -216,3 +217,31 @@ async def test_the_panel_asks_for_the_kernels_trajectory(jp_fetch, store, kernel
         assert found["kernel_id"] == kernel_id and found["notebook_path"] == "wait.ipynb"
         r = await jp_fetch("themisto", "trajectories", params={"kernel_id": "no-such-kernel"})
         assert json.loads(r.body)["trajectories"] == []
+
+
+async def test_a_slow_store_delays_its_request_only(jp_fetch, jp_serverapp, store):
+    """Store calls run in the manager's store threads: while one is stuck in the store (here a
+    store whose listing waits, as one on a slow or busy disk does), the server answers others."""
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    released = threading.Event()
+    listing = manager.store.list_trajectories
+
+    def slow_listing(**kwargs: Any) -> list[dict[str, Any]]:
+        released.wait(30)  # on the event loop this would hold the whole server for 30 s
+        return listing(**kwargs)
+
+    manager.store.list_trajectories = slow_listing
+    try:
+        slow = asyncio.ensure_future(jp_fetch("themisto", "trajectories"))
+        await asyncio.sleep(0.2)
+        status = await jp_fetch("api", "status")
+        assert json.loads(status.body)["kernels"] == 0
+        trajectory = await jp_fetch("themisto", "trajectories", "no-such-id", raise_error=False)
+        assert trajectory.code == 404
+        assert not slow.done()
+        released.set()
+        listed = json.loads((await slow).body)["trajectories"]
+        assert [t["kernel_id"] for t in listed] == ["earlier"]
+    finally:
+        released.set()
+        del manager.store.list_trajectories
