@@ -330,11 +330,12 @@ def test_a_restarted_kernel_is_not_asked_for_its_old_executions(
     panel = page.locator("#jp-themisto-panel")
     meta = panel.locator(".jp-ThemistoPanel-meta").first
     panel.get_by_role("button", name="Suggest").click()
-    expect(meta).to_have_text(re.compile(r"^Backend: retrieval · \d+ ms$"))
+    expect(meta).to_have_text(re.compile(r"^Backend: retrieval · \d+ ms$"), timeout=TIMEOUT_MS)
     assert asked and "after_execution_count" not in asked[-1], asked
     run_cell(page, HISTORY[2])
     panel.get_by_role("button", name="Suggest").click()
-    expect(panel.locator(".jp-ThemistoSuggestion-code").first).to_have_text(HISTORY[3])
+    suggestion = panel.locator(".jp-ThemistoSuggestion-code").first
+    expect(suggestion).to_have_text(HISTORY[3], timeout=TIMEOUT_MS)
     assert asked[-1]["after_execution_count"] == 1, asked
     shot(page, "9-after-restart")
 
