@@ -10,7 +10,7 @@ import re
 import time
 import zlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 from pydantic import Field, SecretStr
@@ -232,7 +232,7 @@ class HTTPPredictor(Predictor):
     """Base of backends that talk to a model server over HTTP with httpx (settings:
     `HTTPSettings`)."""
 
-    settings_model = HTTPSettings
+    settings_model: ClassVar[type[BackendSettings] | None] = HTTPSettings
     settings: HTTPSettings
     default_base_url = ""
     api_key_env = ""

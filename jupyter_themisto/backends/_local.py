@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -27,6 +27,7 @@ from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 from .prompts import FimTokens, Prompt, PromptSettings, next_cell_prompt, output_prompt
 from .ranking import Candidate, normalized, rank, with_each_source
 from .retrieval import RetrievalSettings
+from .settings import BackendSettings
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class LocalModelPredictor(Predictor):
     cell, a console session for an output); both end at the next cell boundary.
     """
 
-    settings_model = LocalModelSettings
+    settings_model: ClassVar[type[BackendSettings] | None] = LocalModelSettings
     settings: LocalModelSettings
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
