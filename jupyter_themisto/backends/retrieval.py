@@ -91,9 +91,9 @@ class RetrievalSettings(BackendSettings):
     )
     sync_rebuild_seconds: float = Field(
         0.02,
-        ge=0,
         description="an index that took longer than this to build is refreshed in the"
-        " background after new executions (the request answers from the one it has)",
+        " background after new executions (the request answers from the one it has;"
+        " negative: always)",
     )
 
 
