@@ -71,6 +71,11 @@ def test_a_typo_is_refused_naming_backend_and_setting(name):
         ("preview", {"fallback": "preview"}, "fallback: the fallback backend cannot be preview"),
         ("preview", {"memory_mb": 0}, "memory_mb: Input should be greater than 0"),
         ("preview", {"fallback_config": [1]}, "fallback_config: Input should be a valid dict"),
+        (
+            "preview",
+            {"fallback": "retrieval", "fallback_config": {"histroy": True}},
+            "fallback_config: histroy: unknown setting (known: context_cells, corpus_dir",
+        ),
         ("ret-train", {"max_trajectories": None}, "max_trajectories: Input should be a valid"),
     ],
 )

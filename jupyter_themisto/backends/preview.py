@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 from jupyter_client.session import Session
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ..context import PredictionContext, outputs_to_text
 from .base import (
@@ -27,7 +27,7 @@ from .base import (
     OutputChunk,
     Predictor,
 )
-from .settings import BackendSettings
+from .settings import BackendSettings, problems
 
 
 class PreviewSettings(BackendSettings):
@@ -57,6 +57,23 @@ class PreviewSettings(BackendSettings):
         if value == "preview":
             raise ValueError("the fallback backend cannot be preview itself")
         return value or None
+
+    @model_validator(mode="after")
+    def _fallback_config_fits(self) -> PreviewSettings:
+        # Checked now by the fallback's own model, not when a preview is first stopped.
+        if self.fallback and self.fallback_config is not None:
+            from .registry import UnknownBackend, load_backend_class
+
+            try:
+                model = load_backend_class(self.fallback).settings_model
+            except (UnknownBackend, BackendUnavailable):
+                return self  # said when the fallback is needed
+            if model is not None:
+                try:
+                    model.model_validate(self.fallback_config)
+                except ValidationError as e:
+                    raise ValueError(f"fallback_config: {problems(model, e)}") from None
+        return self
 
 
 class PreviewPredictor(Predictor):

@@ -59,22 +59,22 @@ def _known(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return sorted(model.model_fields)
 
 
-def describe(backend: str, model: type[BaseModel], e: ValidationError) -> str:
-    """One line: `retrieval backend settings: max_trajectorys: unknown setting (known: …)`.
-
-    Only pydantic's message is used, never the value given (it may be a key)."""
+def problems(model: type[BaseModel], e: ValidationError) -> str:
+    """What `e` found, one clause per problem naming the setting:
+    `max_trajectorys: unknown setting (known: …)`. Only pydantic's message is used, never the
+    value given (it may be a key)."""
     parts = []
     for err in e.errors():
         loc = tuple(err.get("loc", ()))
-        where = ".".join(str(x) for x in loc) or "settings"
+        where = "".join(f"{x}: " if i == len(loc) - 1 else f"{x}." for i, x in enumerate(loc))
         if err.get("type") == "extra_forbidden":
             known = _known(model, loc)
             listed = f" (known: {', '.join(known)})" if known else ""
-            parts.append(f"{where}: unknown setting{listed}")
+            parts.append(f"{where}unknown setting{listed}")
         else:
             msg = str(err.get("msg", "invalid"))
-            parts.append(f"{where}: {msg.removeprefix('Value error, ')}")
-    return f"{backend} backend settings: " + "; ".join(parts)
+            parts.append(where + msg.removeprefix("Value error, "))
+    return "; ".join(parts)
 
 
 def check_settings(
@@ -91,7 +91,7 @@ def check_settings(
     try:
         return model.model_validate(dict(config or {}))
     except ValidationError as e:
-        raise InvalidSettings(describe(backend, model, e)) from None
+        raise InvalidSettings(f"{backend} backend settings: {problems(model, e)}") from None
 
 
 def settings_schema(cls: type[Predictor]) -> dict[str, Any] | None:
