@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr
 from ..context import PredictionContext
 from ._http import HTTPPredictor, HTTPSettings, parse_json
 from ._text import FenceStripper
-from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk
+from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -53,7 +53,7 @@ class AnthropicPredictor(HTTPPredictor):
             }
         return {"ok": True, "detail": f"model {self.model} at {self.base_url}"}
 
-    async def _stream(self, ctx: PredictionContext, task: str) -> AsyncIterator[str]:
+    async def _stream(self, ctx: PredictionContext, task: Task) -> AsyncIterator[str]:
         self.require_key()
         instructions, prompt = render_prompt(ctx, task)
         payload = {

@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr
 from ..context import PredictionContext
 from ._http import HTTPPredictor, HTTPSettings, parse_json
 from ._text import FenceStripper
-from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk
+from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -62,7 +62,7 @@ class OpenAIPredictor(HTTPPredictor):
             return {"ok": False, "detail": "no API key: set OPENAI_API_KEY or the api_key setting"}
         return {"ok": True, "detail": f"{self.api} API, model {self.model} at {self.base_url}"}
 
-    def _payload(self, ctx: PredictionContext, task: str, n: int) -> tuple[str, dict[str, Any]]:
+    def _payload(self, ctx: PredictionContext, task: Task, n: int) -> tuple[str, dict[str, Any]]:
         instructions, prompt = render_prompt(ctx, task)
         payload: dict[str, Any] = {
             "model": self.model,
@@ -85,7 +85,7 @@ class OpenAIPredictor(HTTPPredictor):
         return "/completions", payload
 
     async def _stream(
-        self, ctx: PredictionContext, task: str, n: int
+        self, ctx: PredictionContext, task: Task, n: int
     ) -> AsyncIterator[tuple[int, str | None]]:
         """(choice index, text delta or None when that choice finished)."""
         if self._needs_key():

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ..context import ContextCell, PredictionContext, variable_line
+from .base import Task
 from .settings import BackendSettings
 
 #: text shaped like a special token (`<|fim_prefix|>`, `<|endoftext|>`, …)
@@ -322,7 +323,7 @@ def output_prompt(ctx: PredictionContext) -> Prompt:
 
 def completion_prompt(
     ctx: PredictionContext,
-    task: str,
+    task: Task,
     options: PromptOptions | None = None,
     fim: FimTokens | None = None,
 ) -> Prompt:
@@ -370,7 +371,7 @@ def render_context(ctx: PredictionContext) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_prompt(ctx: PredictionContext, task: str) -> tuple[str, str]:
+def render_prompt(ctx: PredictionContext, task: Task) -> tuple[str, str]:
     """(instructions, prompt text) for a chat model, `task` "next-cell" or "output"."""
     body = render_context(ctx)
     if task == "output":

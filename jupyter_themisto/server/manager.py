@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -417,7 +416,7 @@ class ThemistoManager:
             agen = backend.predict_next_cell(ctx, n=req.n)
         else:
             agen = backend.predict_output(ctx)
-        meta = Event("meta", {"backend": name, "request_id": uuid.uuid4().hex})
+        meta = Event("meta", {"backend": name})
         first: Event | None = None
         try:
             first = await self._next(agen, deadline, task)
