@@ -83,8 +83,7 @@ export class ThemistoService {
     if (kernel) {
       request.kernel_id = kernel.id;
     }
-    const backend =
-      (task === 'output' && this._settings.outputBackend) || this._settings.backend;
+    const backend = (task === 'output' && this._settings.outputBackend) || this._settings.backend;
     if (backend) {
       request.backend = backend;
     }
