@@ -119,6 +119,37 @@ def figures(summary: dict, model: str, results: Path) -> list[str]:
     return lines
 
 
+def unknown_names(dump: Path, results: Path, name: str) -> str | None:
+    """How many of a with-runtime next-cell run's answers read names the live kernel lacks
+    (backends/checks.py: NameError, a list's missing attribute, a DataFrame's missing column
+    when run), and their chrF beside the others': the room a runtime check has to help."""
+    from jupyter_themisto.backends.checks import unknown_references
+    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+
+    path = results / f"{name}.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "scores" in r and r["prediction"].strip()]
+    if not rows:
+        return None
+    manifest = read_manifest(dump)
+    contexts = DumpContexts(read_table(dump, manifest, "executions"), 3000)
+    instances = {i["id"]: i for i in read_table(dump, manifest, "next_cell")}
+    flagged, clean = [], []
+    for r in rows:
+        found = unknown_references(r["prediction"], contexts.build(instances[r["id"]], True))
+        if found is not None:
+            (flagged if found else clean).append(100 * r["scores"]["chrf"])
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return (
+        f"    answers reading names the kernel lacks: {len(flagged)} of {len(rows)}"
+        f" (chrF {mean(flagged):.1f}; the {len(clean)} that read none: {mean(clean):.1f};"
+        f" {len(rows) - len(flagged) - len(clean)} could not be told)"
+    )
+
+
 def load() -> str:
     one, five, fifteen = os.getloadavg()
     return (
@@ -214,6 +245,11 @@ def main() -> None:
             if backend != "repeat-previous":
                 for line in figures(summary, backend, results):
                     print(line)
+                for name, s in summary["runs"].items():
+                    if s["backend"] == backend and s["with_runtime"] and s["task"] == "next-cell":
+                        line = unknown_names(dump, results, name)
+                        if line:
+                            print(f"{name}:\n{line}")
         print(f"end: {load()}")
 
 
