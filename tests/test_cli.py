@@ -466,6 +466,39 @@ def test_evaluate_ret_train_learns_from_a_train_dump(recorded, tmp_path):
     assert predicted and predicted <= set(ANALYSIS)
 
 
+def test_evaluate_leave_one_out_never_lends_a_notebook_its_own_cells(recorded, dump, tmp_path):
+    """--leave-one-out: the dump is the history, minus the notebook being evaluated."""
+    out = tmp_path / "loo"
+    r = cli(
+        "evaluate",
+        str(dump),
+        "--backend",
+        "ret-train",
+        "--task",
+        "next-cell",
+        "--leave-one-out",
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    trajs = _by_notebook(_store(recorded))
+    own = {trajs["analysis.ipynb"]["id"]: ANALYSIS, trajs["second.ipynb"]["id"]: SECOND}
+    other = {trajs["analysis.ipynb"]["id"]: SECOND, trajs["second.ipynb"]["id"]: ANALYSIS}
+    rows = [json.loads(x) for x in (out / "next-cell__ret-train__with-runtime.jsonl").open()]
+    assert {r["trajectory_id"] for r in rows} == set(own)
+    for row in rows:
+        if row["prediction"]:
+            # Every prediction is a cell of the *other* notebook.
+            assert row["prediction"] in other[row["trajectory_id"]]
+    assert any(r["prediction"] and r["prediction"] not in own[r["trajectory_id"]] for r in rows)
+    # In the order each notebook ran (the prompt cache of a local model serves them).
+    keys = [(r["trajectory_id"], r["order_index"]) for r in rows]
+    assert keys == sorted(keys)
+    r = cli("evaluate", str(dump), "--backend", "ret-train", "--task", "next-cell",
+            "--leave-one-out", "--train", str(dump))  # fmt: skip
+    assert r.returncode == 2 and "no --train with it" in r.stderr
+
+
 def _slow_peer(delay: float, state: dict):
     lock = threading.Lock()
 
