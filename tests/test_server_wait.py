@@ -133,12 +133,14 @@ async def test_a_request_right_after_a_cell_gets_the_prediction_that_follows_it(
 ):
     async with kernel() as (kernel_id, kc):
         await run(kc, HISTORY[0])
-        await run(kc, HISTORY[1])
+        before = await run(kc, HISTORY[1])
         trajectory = store.latest_trajectory_for_kernel(kernel_id)
+        # (Itself written a moment after its reply, at times.)
+        await wait_for(lambda: store.last_execution_count(trajectory["id"]) == before)
         with WriteLock(store_path) as lock:
             count = await run(kc, HISTORY[2])
             # The kernel has answered; the cell is not recorded yet: the browser asks now.
-            assert store.last_execution_count(trajectory["id"]) == count - 1
+            assert store.last_execution_count(trajectory["id"]) == before == count - 1
             # Without naming the execution, the answer follows the previous cell (a step behind).
             behind = await next_cell(jp_fetch, {"kernel_id": kernel_id, "n": 1})
             assert suggestion(behind) == HISTORY[2]
