@@ -419,6 +419,23 @@ def test_evaluate_retrieval_and_baselines(dump, tmp_path):
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_evaluate_refuses_unknown_and_mistyped_backend_settings(dump, tmp_path):
+    out = tmp_path / "e"
+    for option, expected in [
+        ("max_trajectorys=5", "retrieval backend settings: max_trajectorys: unknown setting"),
+        ('max_trajectories="many"', "max_trajectories: Input should be a valid integer"),
+        ("context_cells=0", "context_cells: Input should be greater than or equal to 1"),
+    ]:
+        r = cli(
+            "evaluate", str(dump), "--backend", "retrieval", "--task", "next-cell",
+            "-o", option, "--out", str(out),
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith("jupyter-themisto: error: ") and expected in r.stderr
+        assert "Traceback" not in r.stderr
+    assert not out.exists()  # refused before anything was written
+
+
 def test_evaluate_ret_train_learns_from_a_train_dump(recorded, tmp_path):
     store = _store(recorded)
     trajs = _by_notebook(store)
