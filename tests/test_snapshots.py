@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import zstandard
 
+from jupyter_themisto.store import TrajectoryStore
+
 from .test_recorder_kernel import RecordingKernel
 
 SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
@@ -370,3 +372,129 @@ def test_which_cells_may_change_the_namespace(code, changes):
     helper.__module__ = "__main__"
     ns = {"items": [1], "df": object(), "helper": helper, "len": len}
     assert may_change(code, ns) is changes
+
+
+_SLEEPY = (
+    "import time\n"
+    "class Sleepy:\n"
+    "    def __reduce__(self):\n"
+    "        time.sleep(60)\n"
+    "        return (Sleepy, ())\n"
+    "sleepy = Sleepy()"
+)
+
+
+def _pending_row(store_path, msg_id, timeout=60.0):
+    """The execution row of `msg_id` (read without asking the kernel anything)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn = sqlite3.connect(store_path)
+        conn.row_factory = sqlite3.Row
+        try:
+            row = conn.execute("SELECT * FROM executions WHERE msg_id = ?", (msg_id,)).fetchone()
+        except sqlite3.OperationalError:
+            row = None
+        finally:
+            conn.close()
+        if row is not None:
+            return dict(row)
+        time.sleep(0.05)
+    raise AssertionError(f"no row for {msg_id}")
+
+
+def _wait_for(predicate, timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.1)
+
+
+def _kill_kernel(k):
+    os.kill(k.km.provisioner.pid, signal.SIGKILL)
+    _wait_for(lambda: not k.km.is_alive())
+
+
+def test_a_kernel_killed_before_its_snapshot_leaves_no_pending_for_ever(tmp_path):
+    """Killed (SIGKILL) in the moment between a reply and its snapshot: the next kernel on the
+    store marks that snapshot failed, naming the kernel."""
+    store_path = tmp_path / "dead-kernel.sqlite"
+    first = RecordingKernel(store_path, ["--ThemistoRecorder.snapshot_delay=600"])
+    try:
+        done = first.send("x = 41 + 1")
+        row = _pending_row(store_path, done)
+        assert row["snapshot_status"] == "pending"
+        assert row["snapshot_owner"].startswith("kernel|")
+        kernel_pid = first.km.provisioner.pid
+        assert f"|{kernel_pid}|" in row["snapshot_owner"]
+        _kill_kernel(first)
+    finally:
+        first.shutdown()
+    assert _pending_row(store_path, done)["snapshot_status"] == "pending"
+    second = RecordingKernel(store_path)  # its recorder sweeps the store as it opens it
+    try:
+        _wait_for(lambda: _pending_row(store_path, done)["snapshot_status"] == "failed")
+        with second.store() as store:
+            detail = store.get_snapshot(_pending_row(store_path, done)["id"])["detail"]
+        assert f"the kernel (pid {kernel_pid}) ended" in detail
+    finally:
+        second.shutdown()
+
+
+def test_a_kernel_dying_with_its_snapshot_child_leaves_no_pending_for_ever(tmp_path):
+    """Kernel and snapshot child both killed: the next kernel's sweep marks the snapshot
+    failed. A child that outlives its kernel is left to finish; killed later, the sweep of
+    a reader (the server's, here the store's own) marks its snapshot failed too."""
+    store_path = tmp_path / "dead-pair.sqlite"
+    args = ["--ThemistoRecorder.max_variable_seconds=120", "--ThemistoRecorder.snapshot_delay=0"]
+    first = RecordingKernel(store_path, args)
+    children = []
+    try:
+        both = first.send(_SLEEPY)
+        _wait_for(
+            lambda: (_pending_row(store_path, both)["snapshot_owner"] or "").startswith("snapshot|")
+        )
+        children.append(int(_pending_row(store_path, both)["snapshot_owner"].split("|")[3]))
+        alone = first.send("other = Sleepy()")
+        _wait_for(
+            lambda: (_pending_row(store_path, alone)["snapshot_owner"] or "").startswith(
+                "snapshot|"
+            )
+        )
+        children.append(int(_pending_row(store_path, alone)["snapshot_owner"].split("|")[3]))
+        os.kill(children[0], signal.SIGKILL)  # dies with its kernel
+        _kill_kernel(first)
+    finally:
+        first.shutdown()
+    second = RecordingKernel(store_path)
+    try:
+        _wait_for(lambda: _pending_row(store_path, both)["snapshot_status"] == "failed")
+        # The sweep has run: the child still serializing keeps its snapshot pending.
+        assert _pending_row(store_path, alone)["snapshot_status"] == "pending"
+        with second.store() as store:
+            detail = store.get_snapshot(_pending_row(store_path, both)["id"])["detail"]
+        assert f"the snapshot process (pid {children[0]}) ended" in detail
+        os.kill(children[1], signal.SIGKILL)
+        _wait_for(lambda: not os.path.exists(f"/proc/{children[1]}") or _zombie(children[1]))
+        with TrajectoryStore(store_path) as store:
+            assert store.sweep_pending_snapshots() == 1
+        assert _pending_row(store_path, alone)["snapshot_status"] == "failed"
+    finally:
+        second.shutdown()
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True

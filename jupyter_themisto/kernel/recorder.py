@@ -171,6 +171,7 @@ class ThemistoRecorder(LoggingConfigurable):
         # The values known secret (plaintext in this process only; the store gets keyed hashes).
         self.secrets = KernelSecrets(self.secret_pattern)
         self._handler_patch: tuple[Any, Any, Any] | None = None
+        self.owner: str | None = None
         from .snapshot import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
@@ -191,10 +192,17 @@ class ThemistoRecorder(LoggingConfigurable):
     def register(self) -> None:
         if self._registered:
             return
+        from ..store.processes import process_identity
         from .writer import RecordWriter
 
+        # Named with each pending snapshot: a sweep tells a snapshot left pending by a kernel
+        # that died (store/processes.py).
+        self.owner = process_identity("kernel")
         self.writer = RecordWriter(
-            self._open_store, report=self._report, locked_retry_seconds=self.store_busy_seconds
+            self._open_store,
+            report=self._report,
+            locked_retry_seconds=self.store_busy_seconds,
+            on_open=self._sweep,
         )
         events = self.shell.events
         events.register("pre_execute", self.pre_execute)
@@ -288,6 +296,17 @@ class ThemistoRecorder(LoggingConfigurable):
         from ..store import TrajectoryStore
 
         return TrajectoryStore(self.store_file, timeout=timeout)
+
+    def _sweep(self, store: Any) -> None:
+        """Once the store is open (writer thread): snapshots that kernels or snapshot children
+        which died left pending are marked failed, so that nobody waits on them."""
+        try:
+            swept = store.sweep_pending_snapshots()
+        except Exception as e:
+            self._report("sweeping stale pending snapshots failed", e)
+            return
+        if swept:
+            self.log.info("themisto: %d snapshot(s) left pending by dead processes: failed", swept)
 
     def _ensure_trajectory(self) -> str | None:
         if self.trajectory_id is not None or self.writer is None:
@@ -471,6 +490,8 @@ class ThemistoRecorder(LoggingConfigurable):
             "memory_peak": peak,
             "snapshot_status": snapshot_status,
         }
+        if snapshot_status == "pending":
+            record["snapshot_owner"] = self.owner
         limits = {
             "max_output_bytes": self.max_output_bytes,
             "max_execution_bytes": self.max_execution_output_bytes,

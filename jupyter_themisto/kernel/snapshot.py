@@ -557,6 +557,8 @@ class SnapshotWriter:
             status=status,
             mode=mode,
             duration=time.perf_counter() - t0,
+            # A child's snapshot wins over a sweep's 'failed' (see set_snapshot_owner).
+            replace_failed=mode == "fork",
         )
         return sid, status
 
@@ -984,6 +986,7 @@ class SnapshotManager:
             sys.stdout = sys.stderr = sink
             variables = list(user_variables(self.recorder.shell))
             from ..store import TrajectoryStore
+            from ..store.processes import process_identity
 
             # Its own connection; nothing of the kernel's (the writer thread's) is touched.
             store = TrajectoryStore(self.recorder.store_file, migrate=False)
@@ -992,6 +995,9 @@ class SnapshotManager:
                 code = _CHILD_NO_ROW
             else:
                 try:
+                    # This process resolves the snapshot now: if it dies (with its kernel or
+                    # not), a sweep finds it gone and marks the snapshot failed.
+                    store.set_snapshot_owner(execution_id, process_identity("snapshot"))
                     self._writer(store).write(execution_id, variables, mode="fork")
                     code = _CHILD_OK
                 except BaseException as e:  # noqa: B036
@@ -1002,6 +1008,7 @@ class SnapshotManager:
                             status="failed",
                             mode="fork",
                             detail=f"{type(e).__name__}: {str(e)[:500]}",
+                            replace_failed=True,
                         )
                     except BaseException:  # noqa: B036
                         pass

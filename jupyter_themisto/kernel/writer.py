@@ -56,8 +56,11 @@ class RecordWriter:
         locked_retry_seconds: float = 10.0,
         retry_seconds: float = 5.0,
         max_lost: int = 10_000,
+        on_open: Callable[[Any], None] | None = None,
     ) -> None:
         self._open_store = open_store
+        # Called on this thread with the store once it is opened (the recorder's sweep).
+        self._on_open = on_open
         self._report = report
         self.locked_retry_seconds = locked_retry_seconds
         self.retry_seconds = retry_seconds
@@ -198,6 +201,12 @@ class RecordWriter:
             except BaseException as e:  # noqa: B036
                 self.last_error = f"cannot open the trajectory store: {_describe(e)}"
                 return None
+            on_open, self._on_open = self._on_open, None
+            if on_open is not None:
+                try:
+                    self._locked(partial(on_open, self.store))
+                except BaseException as e:  # noqa: B036
+                    self._report("a recorder write failed", e)
         for tid, make_fields in list(self._trajectories.items()):
             try:
                 fields = make_fields()
