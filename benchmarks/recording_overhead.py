@@ -28,15 +28,17 @@ time in the kernel by step (hooks the cell waits for; work after the reply: hand
 execution to the writer and forks taken at once; the fork itself; the writer's time per
 execution); what happened to the snapshots (taken by fork, inline, unchanged, coalesced,
 skipped); executions sent vs recorded vs lost; bytes stored, and their ratio to Kishu's on the
-notebooks both ran. Figures only; nothing is asserted. With `--repeat N` each mode runs N times
-(order reversed every other time) and each cell counts its fastest run.
+notebooks both ran. Figures only; nothing is asserted. Each notebook first runs once plain,
+unmeasured (its libraries and data files are then in the page cache for every mode; `--no-warmup`
+skips it). With `--repeat N` each mode runs N times (order reversed every other time) and each
+cell counts its fastest run.
 
     .venv/bin/python benchmarks/recording_overhead.py --quick           # < 15 min, quiet machine
     .venv/bin/python benchmarks/recording_overhead.py --corpus          # the whole corpus (hours)
     .venv/bin/python benchmarks/recording_overhead.py [NOTEBOOK ...]
         [--corpus [FILTER ...]] [--limit N] [--every K] [--start N] [--modes off,on,off2,kishu]
         [--kishu-limit N] [--send all,sequential,think] [--think 0.3] [--repeat 1]
-        [--on-args "--ThemistoRecorder.snapshot_mode=off"] [--json out.json]
+        [--on-args "--ThemistoRecorder.snapshot_mode=off"] [--no-warmup] [--json out.json]
         [--report saved.json ...]
 
 `--quick` is a fixed subset of the corpus (QUICK below: 13 notebooks, about 300 cells, plain
@@ -310,6 +312,12 @@ def main() -> None:
     parser.add_argument("--think", type=float, default=0.3, help="seconds before each cell (think)")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the unmeasured plain run of each notebook before its measured ones",
+    )
+    parser.add_argument(
         "--json", type=Path, help="write the raw figures here (after each notebook)"
     )
     parser.add_argument(
@@ -351,6 +359,13 @@ def main() -> None:
     try:
         for n, nb in enumerate(notebooks):
             raw[str(nb)] = {s: {} for s in sends}
+            if args.warmup:
+                # Unmeasured: the first run of a notebook reads its libraries and data from
+                # disk, and would make whichever mode runs first look slower.
+                try:
+                    run_notebook(nb, "off", "all", 0.0, workdir, [])
+                except Exception as e:
+                    print(f"  {nb.name}: warm-up failed: {e!r}", file=sys.stderr)
             for send in sends:
                 for rep in range(args.repeat):
                     # Alternate the order, so that neither mode always runs on a colder cache.
@@ -433,6 +448,13 @@ def report(raw: dict[str, Any], modes: list[str], send: str) -> None:
                 r = runs[0]
                 for step, values in r["timings"].items():
                     timings.setdefault(step, []).extend(values)
+                hooks, after = r["timings"]["hooks"], r["timings"]["after_reply"]
+                if len(hooks) == len(after):
+                    # What each execution took of the kernel's own time, in all: what a cell
+                    # queued behind it ("Run All") waits, noise apart.
+                    timings.setdefault("per cell", []).extend(
+                        h + a for h, a in zip(hooks, after, strict=True)
+                    )
                 for k, v in r["counts"].items():
                     counts[k] = counts.get(k, 0) + v
                 sent += len(r["ids"])

@@ -22,7 +22,14 @@ SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
 def kernel(tmp_path_factory):
     store = tmp_path_factory.mktemp("snapshots") / "trajectories.sqlite"
     # Cells here come faster than a loaded machine may finish snapshots: no skipping.
-    k = RecordingKernel(store, ["--ThemistoRecorder.max_snapshot_children=16"])
+    # What the fork child does: no snapshot taken by the kernel itself (see test_small_...).
+    k = RecordingKernel(
+        store,
+        [
+            "--ThemistoRecorder.max_snapshot_children=16",
+            "--ThemistoRecorder.small_snapshot_seconds=0",
+        ],
+    )
     yield k
     k.shutdown()
 
@@ -361,6 +368,18 @@ def test_an_expensive_variable_is_not_retried_until_it_changes(tmp_path):
         ("helper()", True),
         ("get_ipython().run_line_magic('who', '')", True),
         ("def f(:", True),
+        # Library functions and classes given fresh values reach nothing of the person's.
+        ("v = array([1, 2, 3])\nnp.arange(n, 10)\ndiag(np.zeros(3) + 1)", False),
+        ("np.linalg.norm(np.ones(3)), sin(np.pi), np.float64(2.5)", False),
+        ("concatenate((arr, arr))", True),
+        ("np.random.shuffle(items)", True),
+        ("np.copyto(arr, 1)", True),
+        ("np.apply_along_axis(helper, 0, np.ones(3))", True),
+        ("arr.fill(0)", True),
+        ("exec('items.append(1)')", True),
+        ("setattr(df, 'a', 1)", True),
+        ("getattr(np, 'seterr')(all='ignore')", True),
+        ("sorted([3, 1])", False),
     ],
 )
 def test_which_cells_may_change_the_namespace(code, changes):
@@ -370,7 +389,19 @@ def test_which_cells_may_change_the_namespace(code, changes):
         return None
 
     helper.__module__ = "__main__"
-    ns = {"items": [1], "df": object(), "helper": helper, "len": len}
+    ns = {
+        "items": [1],
+        "df": object(),
+        "helper": helper,
+        "len": len,
+        "np": np,
+        "array": np.array,
+        "diag": np.diag,
+        "sin": np.sin,
+        "concatenate": np.concatenate,
+        "arr": np.zeros(3),
+        "n": 3,
+    }
     assert may_change(code, ns) is changes
 
 
@@ -498,3 +529,74 @@ def _zombie(pid):
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_path):
+    """A snapshot of small values is taken by the kernel itself (no fork); an unchanged
+    variable reuses its row, an in-place change is seen; anything that would run the person's
+    code to serialize it (a __reduce__ of theirs), or is large, goes to a child as before; a
+    file object is never flushed."""
+    marker = tmp_path / "reduced-by.txt"
+    target = tmp_path / "user-file.txt"
+    k = RecordingKernel(
+        tmp_path / "small.sqlite",
+        # A generous budget: a loaded machine must not send these to a child.
+        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=5"],
+    )
+    try:
+        kernel_pid = _recorder_value(k, ".pid")
+        k.run("import numpy as np, pandas as pd")
+        # The trajectory created and the first snapshot written (while the trajectory is being
+        # created, or a child runs, a snapshot is forked).
+        k.settle()
+        _wait_for(lambda: _recorder_value(k, ".snapshots.running()") == 0)
+        small = _recorder_value(k, ".snapshots.counts.get('small', 0)")
+        first = k.run(
+            "import numpy as np, pandas as pd\n"
+            "items = [1, 2, {'k': (3, 4.5)}]\n"
+            "arr = np.arange(6)\n"
+            "df = pd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})\n"
+            "def helper(x):\n    return x + 1\n"
+            "class Plain:\n    pass\n"
+            "p = Plain(); p.size = 3\n"
+            f"fh = open({str(target)!r}, 'w'); fh.write('abc')\n"
+            "bag = [1, fh]"
+        )
+        row = k.wait_snapshot(first.msg_id)
+        with k.store() as store:
+            assert store.get_snapshot(row["id"])["mode"] == "inline"
+        v = k.variables(first.msg_id)
+        assert v["items"]["summary"]["repr"] == "[1, 2, {'k': (3, 4.5)}]"
+        assert v["df"]["summary"]["columns"] == ["a", "b"] and v["arr"]["blob_hash"]
+        assert v["helper"]["blob_hash"] and v["p"]["blob_hash"]
+        assert "file object" in v["fh"]["stub_reason"] and "file object" in v["bag"]["stub_reason"]
+        assert target.read_text() == ""  # the person's buffer was not flushed
+
+        second = k.run("n = 7")
+        v2 = k.variables(second.msg_id)
+        assert v2["n"]["changed"] is True and v2["items"]["changed"] is False
+        assert v2["items"]["blob_hash"] == v["items"]["blob_hash"]
+        third = k.run("items.append(5)")
+        v3 = k.variables(third.msg_id)
+        assert v3["items"]["changed"] is True and v3["items"]["summary"]["repr"].endswith("5]")
+        forks = _recorder_value(k, ".snapshots.counts.get('fork', 0)")
+        assert _recorder_value(k, ".snapshots.counts['small']") == small + 3
+
+        # The person's own __reduce__ runs in a child, never in the kernel.
+        custom = k.run(
+            "import os\n"
+            "class Custom:\n"
+            "    def __reduce__(self):\n"
+            f"        open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+            "        return (Custom, ())\n"
+            "c = Custom()"
+        )
+        assert k.variables(custom.msg_id)["c"]["blob_hash"]
+        assert int(marker.read_text()) != kernel_pid
+        large = k.run("big = np.zeros(2_000_000)")
+        k.wait_snapshot(large.msg_id)
+        assert _recorder_value(k, ".snapshots.counts.get('fork', 0)") == forks + 2
+        k.run("fh.close()")
+        assert target.read_text() == "abc"
+    finally:
+        k.shutdown()

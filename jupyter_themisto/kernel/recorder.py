@@ -80,6 +80,14 @@ class ThemistoRecorder(LoggingConfigurable):
     max_snapshot_seconds = Float(
         300.0, help="Seconds a snapshot child may run before it is killed (status failed)."
     ).tag(config=True)
+    small_snapshot_seconds = Float(
+        0.003,
+        help="In fork mode, a snapshot whose changed variables are small (scalars, short "
+        "strings, small containers, arrays and frames under 1 MB) is taken by the kernel "
+        "itself, while idle, if it fits in this many seconds: no child process, and the next "
+        "cell pays no copy-on-write page faults; larger ones, or one past this time, are forked "
+        "(0: always fork).",
+    ).tag(config=True)
     max_snapshot_children = Int(
         3,
         help="Concurrent snapshot children; when reached, the snapshot of that execution is "
@@ -543,6 +551,7 @@ class ThemistoRecorder(LoggingConfigurable):
             "hooks": list(self.hook_seconds),
             "after_reply": list(self.deferred_seconds),
             "fork": list(self.snapshots.fork_seconds),
+            "small": list(self.snapshots.small_seconds),
             "writer": list(self.writer.write_seconds) if self.writer is not None else [],
         }
 

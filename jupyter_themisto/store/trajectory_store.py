@@ -554,6 +554,25 @@ class TrajectoryStore:
                 v["changed"] = False
         return found
 
+    def snapshot_variables(
+        self, trajectory_id: str, order_index: int
+    ) -> list[dict[str, Any]] | None:
+        """The variables of the snapshot holding the namespace of the trajectory's execution
+        at `order_index` (through `same_as`); None unless that snapshot is written and holds
+        variables (`ok` or `partial`)."""
+        execution_id = self.execution_id(trajectory_id, order_index)
+        if execution_id is None:
+            return None
+        holder = self._holder(execution_id)
+        row = (
+            self._conn()
+            .execute("SELECT status FROM snapshots WHERE execution_id = ?", (holder,))
+            .fetchone()
+        )
+        if row is None or row["status"] not in ("ok", "partial"):
+            return None
+        return self.get_variables(holder)
+
     def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
         """The variables of the trajectory's most recent snapshot that was written (one that
         holds variables, directly or through `same_as`)."""
