@@ -6,6 +6,7 @@ import os
 import pickle
 import signal
 import sqlite3
+import types
 
 import numpy as np
 import pytest
@@ -380,6 +381,9 @@ def test_an_expensive_variable_is_not_retried_until_it_changes(tmp_path):
         ("setattr(df, 'a', 1)", True),
         ("getattr(np, 'seterr')(all='ignore')", True),
         ("sorted([3, 1])", False),
+        # A module's attribute may hold an object of the person's too.
+        ("np.random.shuffle(mod.data)", True),
+        ("np.sqrt(np.pi) + np.linalg.norm(mod.scale * np.ones(2))", False),
     ],
 )
 def test_which_cells_may_change_the_namespace(code, changes):
@@ -401,7 +405,9 @@ def test_which_cells_may_change_the_namespace(code, changes):
         "concatenate": np.concatenate,
         "arr": np.zeros(3),
         "n": 3,
+        "mod": types.ModuleType("mod"),
     }
+    ns["mod"].data, ns["mod"].scale = ns["items"], 2.0  # type: ignore[attr-defined]
     assert may_change(code, ns) is changes
 
 

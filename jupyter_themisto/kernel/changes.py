@@ -137,23 +137,7 @@ def _library_callable(func: ast.expr, user_ns: dict[str, Any]) -> bool:
     """A function or class of a library module (not the person's, not a builtin such as exec
     or setattr, not IPython's shell): a name bound to one, or an attribute path from a module
     (`np.linalg.norm`)."""
-    if isinstance(func, ast.Name):
-        target = user_ns.get(func.id, _MISSING)
-    elif isinstance(func, ast.Attribute):
-        root: ast.expr = func
-        path: list[str] = []
-        while isinstance(root, ast.Attribute):
-            path.append(root.attr)
-            root = root.value
-        if not isinstance(root, ast.Name) or not isinstance(user_ns.get(root.id), types.ModuleType):
-            return False
-        target = user_ns[root.id]
-        for name in reversed(path):
-            if not isinstance(target, types.ModuleType):
-                return False  # a module's attribute of an attribute: an object's method
-            target = getattr(target, name, _MISSING)
-    else:
-        return False
+    target = _named_value(func, user_ns)
     if target is _MISSING or isinstance(target, types.ModuleType):
         return False
     if not isinstance(
@@ -171,6 +155,25 @@ def _library_callable(func: ast.expr, user_ns: dict[str, Any]) -> bool:
     )
 
 
+def _named_value(expr: ast.expr, user_ns: dict[str, Any]) -> Any:
+    """What a name, or an attribute path from a module (`np.linalg.norm`), is bound to
+    (_MISSING for anything else: an attribute of an object may be a property)."""
+    if isinstance(expr, ast.Name):
+        return user_ns.get(expr.id, _MISSING)
+    path: list[str] = []
+    while isinstance(expr, ast.Attribute):
+        path.append(expr.attr)
+        expr = expr.value
+    if not path or not isinstance(expr, ast.Name):
+        return _MISSING
+    target = user_ns.get(expr.id, _MISSING)
+    for name in reversed(path):
+        if not isinstance(target, types.ModuleType):
+            return _MISSING  # a module's attribute of an attribute: an object's
+        target = getattr(target, name, _MISSING)
+    return target
+
+
 def _fresh(expr: ast.expr, user_ns: dict[str, Any]) -> bool:
     """True if `expr` can hand a callee nothing of the person's it could change."""
     for node in ast.walk(expr):
@@ -178,14 +181,23 @@ def _fresh(expr: ast.expr, user_ns: dict[str, Any]) -> bool:
             return False
         if isinstance(node, ast.Call) and not _pure_call(node, user_ns):
             return False
-        if isinstance(node, ast.Name):
-            value = user_ns.get(node.id, _MISSING)
-            if value is _MISSING or isinstance(value, (types.ModuleType, *_IMMUTABLE)):
-                continue  # a builtin, a name of the comprehension itself, a module, a value
-            if isinstance(value, (tuple, frozenset)) and all(
-                isinstance(v, _IMMUTABLE) for v in value
-            ):
-                continue
-            if _user_callable(value) or not _library_callable(ast.Name(id=node.id), user_ns):
+        if isinstance(node, ast.Attribute) and isinstance(
+            _named_value(node.value, user_ns), types.ModuleType
+        ):
+            # A module's attribute (`mod.data`): a value held there may be the person's too.
+            if not _harmless(_named_value(node, user_ns), node, user_ns):
                 return False
+        if isinstance(node, ast.Name) and not _harmless(
+            user_ns.get(node.id, _MISSING), node, user_ns
+        ):
+            return False
     return True
+
+
+def _harmless(value: Any, node: ast.expr, user_ns: dict[str, Any]) -> bool:
+    """A value a callee cannot change (or a builtin, a comprehension's own name: _MISSING)."""
+    if value is _MISSING or isinstance(value, (types.ModuleType, *_IMMUTABLE)):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(isinstance(v, _IMMUTABLE) for v in value)
+    return not _user_callable(value) and _library_callable(node, user_ns)

@@ -66,6 +66,7 @@ import pickle
 import reprlib
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 import time
@@ -964,12 +965,19 @@ class SnapshotManager:
         variables = list(user_variables(r.shell))
         current = {name: id(value) for name, value in variables}
         generation = self._secrets_generation()
+        inline = r.snapshot_mode == "inline" or self.exiting or not hasattr(os, "fork")
+        small = not inline and r.small_snapshot_seconds > 0 and not self.children
+        # Names bound to the same objects as at the last snapshot, no cell run since able to
+        # change an object in place: those variables are as the last snapshot holds them.
+        same: set[str] = set()
         if (
             self.base_bindings is not None
-            and current == self.base_bindings
             and generation == self.secrets_generation
+            and (current == self.base_bindings or small)
+            and not self._may_have_changed_in_place()
         ):
-            if not self._may_have_changed_in_place():
+            same = {n for n, i in current.items() if self.base_bindings.get(n) == i}
+            if current == self.base_bindings:
                 base = self.base_order
                 self.sources_since = []
                 self._count("unchanged")
@@ -977,11 +985,10 @@ class SnapshotManager:
                     order, "unchanged", f"no variable changed since execution {base}", same_as=base
                 )
                 return
-        mode = r.snapshot_mode
-        if mode == "inline" or self.exiting or not hasattr(os, "fork"):
+        if inline:
             ok = self._inline(order, variables)
         else:
-            ok = self._small(order, variables, current, generation) or self._fork(order)
+            ok = (small and self._small(order, variables, same, generation)) or self._fork(order)
         if ok:
             self.base_order = order
             self.base_bindings = current
@@ -1017,59 +1024,52 @@ class SnapshotManager:
         )
 
     def _small(
-        self, order: int, variables: list[tuple[str, Any]], current: dict[str, int], generation: int
+        self, order: int, variables: list[tuple[str, Any]], same: set[str], generation: int
     ) -> bool:
-        """Take the snapshot in the kernel when what changed is small (see
-        small_snapshot_seconds); False (nothing written) when it is not, or takes too long."""
+        """Take the snapshot in the kernel when what changed since the last one is small (see
+        small_snapshot_seconds); False (nothing written) when it is not, when the store is
+        busy, or when it takes too long. `same`: the names known unchanged since then."""
         r = self.recorder
         budget = r.small_snapshot_seconds
         started = time.perf_counter()
         # Only with every earlier snapshot written (no child running: its rows are what an
         # unchanged variable reuses) and the execution's row written (the writer is idle).
-        if budget <= 0 or self.children:
+        if r.writer is None:
             return False
         r.writer.wait_idle(budget)
         store = r.writer._direct()
         tid = r.trajectory_id
         if store is None or tid is None:
             return False
-        execution_id = store.execution_id(tid, order)
+        recheck = generation != self.secrets_generation
+        try:
+            execution_id = store.execution_id(tid, order)
+            previous: dict[str, dict[str, Any]] = {}
+            if self.base_order is not None:
+                kept_order, kept = self._kept
+                if kept_order == self.base_order:
+                    previous = kept  # taken here last time: no need to read it back
+                else:
+                    rows = store.snapshot_variables(tid, self.base_order)
+                    if rows is None:
+                        return False  # the last one was not written (failed): a full one is due
+                    previous = {v["name"]: v for v in rows}
+        except sqlite3.Error:
+            return False  # locked by another process (this connection never waits): a child
         if execution_id is None:
             return False
-        recheck = generation != self.secrets_generation
-        previous: dict[str, dict[str, Any]] = {}
-        reuse: set[str] = set()
-        if self.base_order is not None:
-            kept_order, kept = self._kept
-            if kept_order == self.base_order:
-                previous = kept  # taken here last time: no need to read it back
-            else:
-                rows = store.snapshot_variables(tid, self.base_order)
-                if rows is None:
-                    return False  # the last snapshot was not written (failed): a full one is due
-                previous = {v["name"]: v for v in rows}
-            if (
-                not recheck
-                and self.base_bindings is not None
-                and not self._may_have_changed_in_place()
-            ):
-                # Bound to the same object as then, and nothing since could change one.
-                reuse = {
-                    n
-                    for n, i in current.items()
-                    if self.base_bindings.get(n) == i and n in previous
-                }
+        reuse = {n for n in same if n in previous}
         if not all(
             _small_value(v) or _remembered(v, previous.get(n), recheck)
             for n, v in variables
             if n not in reuse
         ):
             return False
+        from ..store import blob_hash
+
         blobs: dict[str, bytes] = {}
 
         def collect(data: bytes) -> str:
-            from ..store import blob_hash
-
             digest = blob_hash(data)
             blobs[digest] = bytes(data)
             return digest
@@ -1088,6 +1088,7 @@ class SnapshotManager:
         duration = time.perf_counter() - started
 
         def job(store: Any) -> None:
+            # Idempotent: the writer thread runs it again if it failed here.
             for digest, data in blobs.items():
                 store.put_blob(data, digest)
             if store.get_snapshot(execution_id) is None:
