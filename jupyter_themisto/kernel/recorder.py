@@ -531,7 +531,9 @@ class ThemistoRecorder(LoggingConfigurable):
         self.last_order = order
         # Values other kernels recorded (by keyed hash) are followed too.
         self.writer.submit(secrets.load_digests)
-        self.writer.add_execution(tid, order, prepare, fallback=record)
+        self.writer.add_execution(
+            tid, order, prepare, fallback=record, direct=not _large(raw_outputs)
+        )
         self.writer.submit(persist_secrets)
         self.snapshots.execution_done(order, current["source"], wall)
 
@@ -574,6 +576,27 @@ class ThemistoRecorder(LoggingConfigurable):
             if self.hook_seconds
             else None,
         }
+
+
+# Outputs past this many bytes are written by the writer thread, never on the kernel's own
+# (see kernel/writer.py): decoding, hashing and compressing ~100 kB take about a millisecond.
+_DIRECT_OUTPUT_BYTES = 100_000
+
+
+def _large(raw_outputs: list[dict[str, Any]]) -> bool:
+    """True if the captured outputs hold more than _DIRECT_OUTPUT_BYTES of text or data."""
+    total = 0
+    for out in raw_outputs:
+        data = out.get("data")
+        values = [
+            *out.get("_parts", ()),
+            out.get("text"),
+            *(data.values() if isinstance(data, dict) else ()),
+        ]
+        total += sum(len(v) for v in values if isinstance(v, (str, bytes, bytearray)))
+        if total > _DIRECT_OUTPUT_BYTES:
+            return True
+    return False
 
 
 def notebook_path() -> str | None:

@@ -3,10 +3,11 @@
 The recorder hands over each finished execution (and each snapshot note it decides) just after
 the kernel's reply. When nothing is waiting before it, the write happens right there, on the
 kernel's thread, with a connection that never waits for a lock (a few tenths of a millisecond:
-outputs turned into bounded nbformat dicts, images stored as blobs, the row); a write that
-fails or would wait goes to a background thread, and so does everything after it until that
-thread has caught up. (A thread for every write would cost more: while it holds the GIL, the
-next cell's own I/O waits for it.) Both use one connection each, kept for the kernel's life
+outputs turned into bounded nbformat dicts, small images stored as blobs, the row); a write
+that fails or would wait, or an execution with large outputs (over 100 kB), goes to a
+background thread, and so does everything after it until that thread has caught up. (A
+thread for every write would cost more: while it holds the GIL, the next cell's own I/O waits
+for it.) Both use one connection each, kept for the kernel's life
 (snapshot children open their own).
 
 An execution that cannot be written — the disk is full, the file read-only or broken, the
@@ -133,10 +134,13 @@ class RecordWriter:
         prepare: Callable[[Callable[[bytes], str]], dict[str, Any]],
         *,
         fallback: dict[str, Any],
+        direct: bool = True,
     ) -> None:
         """Write an execution; `prepare(put_blob)` builds its record (outputs, blobs).
-        `fallback` is what a `lost` row keeps if the write fails."""
-        store = self._direct()
+        `fallback` is what a `lost` row keeps if the write fails. `direct=False`: on the
+        thread even if nothing waits (large outputs: decoding, hashing and compressing them
+        would hold up a cell queued behind; the thread does most of it without the GIL)."""
+        store = self._direct() if direct else None
         if store is not None:
             started = time.perf_counter()
             try:
