@@ -54,9 +54,14 @@ def notebook_cells(path: Path, n: int) -> list[str]:
 
 
 def context(sources: list[str], first_line: str | None = None) -> PredictionContext:
-    cells = [ContextCell(source=s, execution_count=i + 1) for i, s in enumerate(sources)]
+    """Cells run in order, as the server's context has them (order_index places the prompt's
+    window); `first_line` comes first (within the window while there are at most 18 cells)."""
+    cells = [
+        ContextCell(source=s, execution_count=i + 1, order_index=i + 1)
+        for i, s in enumerate(sources)
+    ]
     if first_line:
-        cells.insert(0, ContextCell(source=first_line, execution_count=0))
+        cells.insert(0, ContextCell(source=first_line, execution_count=0, order_index=0))
     return PredictionContext(cells=cells, with_runtime=False)
 
 

@@ -4,16 +4,24 @@ Runs each notebook cell by cell in a real recording kernel (working directory: t
 folder, as the notebook expects). Before a cell runs, each backend predicts its output (preview
 in the live kernel; the llamacpp model (SmolLM2), retrieval and the repeat-previous baseline
 from the trajectory recorded so far); then the cell runs for real and the text outputs are
-compared (exact match, and after masking 0x… addresses and /tmp paths). Only cells with text
+compared as the notebook shows them (clear_output applied): exactly, and "masked" — after
+masking what two honest runs of the same cell never share: 0x… object addresses, /tmp paths and
+durations (`Wall time: 1.2 ms`, `%timeit`'s figures, `total time=0.1s`). Only cells with text
 output count; a missing prediction counts as a miss. Cells that write files or run `!` commands
 are counted on their own too (issue 12: they get previews, in a private copy of the files).
+
+For the preview it also says why each miss missed: no answer because the preview's timeout
+stopped it (split by whether the real cell itself ran longer than the timeout, which no preview
+can answer within it, or not: the preview's own cost or the machine's load), because something
+else stopped it (what), or an answer equal after masking, or different. The machine's load
+average is printed (the timeout is wall clock: a loaded machine stretches slow cells past it).
 
 The figures count on the benchmark corpus (`--corpus`: the notebooks of benchmarks/corpus.json,
 materialized by benchmarks/corpus.py), real notebooks written by others; without it, the
 notebooks given, or benchmarks/notebooks.
 
-Run: .venv/bin/python benchmarks/preview_exact_match.py --corpus [--every K] [--limit N]
-     [--backends preview,repeat-previous] [--timeout 5]
+Run: nice .venv/bin/python benchmarks/preview_exact_match.py --corpus [--every K] [--limit N]
+     [--only SUBSTRING] [--backends preview,repeat-previous] [--timeout 5] [--misses N]
      .venv/bin/python benchmarks/preview_exact_match.py [notebooks...]
 """
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import os
 import re
 import signal
@@ -40,8 +49,12 @@ from jupyter_themisto.store import TrajectoryStore
 
 HERE = Path(__file__).parent
 BACKENDS = ("preview", "llamacpp", "retrieval", "repeat-previous")
-# What differs between two honest runs: object addresses and temporary paths.
-VOLATILE = re.compile(r"0x[0-9a-fA-F]+|/tmp/[^\s'\"]+")
+# What differs between two honest runs: object addresses, temporary paths, durations.
+VOLATILE = re.compile(
+    r"0x[0-9a-fA-F]+|/tmp/[^\s'\"]+"
+    r"|\d[\d.,]*\s*(?:ns|us|µs|μs|ms|s|sec|min)\b(?: ± [\d.,]+\s*(?:ns|us|µs|μs|ms|s))?"
+    r"|\d[\d,]* loops? each|\d+ runs?,"
+)
 # A cell with a side effect on files or a shell command (counted on their own).
 SIDE_EFFECT = re.compile(
     r"^\s*[!%]|\.to_(csv|excel|json|parquet|pickle|html)\(|savefig\(|np\.save|savetxt\(|"
@@ -50,16 +63,29 @@ SIDE_EFFECT = re.compile(
 )
 
 
-async def run_real(kc: Any, code: str, timeout: float) -> list[dict[str, Any]]:
+async def run_real(kc: Any, code: str, timeout: float) -> tuple[list[dict[str, Any]], float]:
+    """The cell's outputs as the notebook keeps them (clear_output applied), and its wall time
+    (request to reply, seconds)."""
     outputs: list[dict[str, Any]] = []
+    clear_waiting = False
 
     def hook(msg: dict[str, Any]) -> None:
+        nonlocal clear_waiting
         kind = msg["msg_type"]
-        if kind in ("stream", "execute_result", "display_data", "error"):
+        if kind == "clear_output":
+            if msg["content"].get("wait"):
+                clear_waiting = True
+            else:
+                outputs.clear()
+        elif kind in ("stream", "execute_result", "display_data", "error"):
+            if clear_waiting:
+                outputs.clear()
+                clear_waiting = False
             outputs.append({"output_type": kind, **msg["content"]})
 
+    started = time.monotonic()
     await kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-    return outputs
+    return outputs, time.monotonic() - started
 
 
 async def predict(backend: Any, ctx: Any) -> str | None:
@@ -69,19 +95,50 @@ async def predict(backend: Any, ctx: Any) -> str | None:
         return None
 
 
+def masked(text: str) -> str:
+    return VOLATILE.sub("~", text)
+
+
 class Counts:
-    """Per backend and per group of cells: total, answered, exact, exact after masking."""
+    """Per backend and per group of cells: total, answered, exact, exact after masking; why
+    the preview missed; the machine's load along the way."""
 
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], list[int]] = {}
-        self.misses: list[tuple[str, str, str | None, str]] = []
+        self.misses: list[tuple[str, str, str | None, str, str]] = []
+        self.why: dict[str, int] = {}
+        self.loads: list[float] = []
 
     def add(self, group: str, backend: str, got: str | None, real: str) -> None:
         c = self.rows.setdefault((group, backend), [0, 0, 0, 0])
         c[0] += 1
         c[1] += got is not None
         c[2] += got == real
-        c[3] += got is not None and VOLATILE.sub("~", got) == VOLATILE.sub("~", real)
+        c[3] += got is not None and masked(got) == masked(real)
+
+    def miss(self, why: str) -> None:
+        self.why[why] = self.why.get(why, 0) + 1
+
+
+def why_missed(
+    got: str | None, real: str, reply: dict[str, Any] | None, real_s: float, timeout: float
+) -> str:
+    """Why the preview's answer is not the real output, in one of a few words."""
+    if got is not None:
+        if masked(got) == masked(real):
+            return "answered, equal after masking (addresses, temporary paths, durations)"
+        return "answered, different"
+    reply = reply or {}
+    stopped = " ".join(reply.get("stopped") or [])
+    if "run longer than" in stopped:
+        if real_s >= timeout:
+            return f"no answer: timeout; the real cell too ran {timeout:g} s or longer"
+        return f"no answer: timeout; the real cell ran less than {timeout:g} s"
+    if stopped:
+        return f"no answer: stopped ({stopped[:60]})"
+    if reply.get("status") not in (None, "ok"):
+        return f"no answer: {reply.get('status')} ({str(reply.get('detail', ''))[:60]})"
+    return "no answer: the preview shows no text output"
 
 
 async def notebook(path: Path, store_path: Path, counts: Counts, args: argparse.Namespace) -> None:
@@ -122,14 +179,17 @@ async def notebook(path: Path, store_path: Path, counts: Counts, args: argparse.
             ctx = build_context(
                 rows, variables, target_source=cell.source, kernel_id="live", trajectory_id=tid
             )
-            predictions = {name: await predict(b, ctx) for name, b in backends.items()}
+            predictions = {}
+            for name, b in backends.items():
+                if name == "preview":
+                    b.last_reply = None
+                predictions[name] = await predict(b, ctx)
             try:
-                real = outputs_to_text(
-                    await run_real(kc, cell.source, args.cell_timeout), limit=1 << 20
-                )
+                outputs, real_s = await run_real(kc, cell.source, args.cell_timeout)
             except TimeoutError:
                 print(f"  {path.name}: a cell ran past {args.cell_timeout} s; next notebook")
                 return
+            real = outputs_to_text(outputs, limit=1 << 20)
             done += 1
             if not real.strip():
                 continue
@@ -138,8 +198,10 @@ async def notebook(path: Path, store_path: Path, counts: Counts, args: argparse.
                 for group in groups:
                     counts.add(group, name, got, real)
                 if name == "preview" and got != real:
-                    why = "" if got is not None else str(backends[name].last_reply or "")[:300]
-                    counts.misses.append((path.name, cell.source[:200], got, real[:200] + why))
+                    reply = backends[name].last_reply
+                    why = why_missed(got, real, reply, real_s, args.timeout)
+                    counts.miss(why)
+                    counts.misses.append((path.name, cell.source[:300], got, real, why))
     finally:
         for b in backends.values():
             await b.aclose()
@@ -154,6 +216,7 @@ async def main() -> None:
     ap.add_argument("--corpus", action="store_true", help="the notebooks of benchmarks/corpus.json")
     ap.add_argument("--every", type=int, default=1, help="every K-th notebook only")
     ap.add_argument("--limit", type=int, default=0, help="at most N notebooks")
+    ap.add_argument("--only", default="", help="only notebooks whose path holds this")
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     ap.add_argument("--timeout", type=float, default=5.0, help="the preview's timeout (s)")
     ap.add_argument("--cell-timeout", type=float, default=120.0, help="a real cell's limit (s)")
@@ -173,6 +236,8 @@ async def main() -> None:
             (HERE / "notebooks").glob("*.ipynb")
         )
     paths = paths[:: args.every]
+    if args.only:
+        paths = [p for p in paths if args.only in str(p)]
     if args.limit:
         paths = paths[: args.limit]
     counts = Counts()
@@ -183,22 +248,42 @@ async def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i, path in enumerate(paths):
-                print(f"[{i + 1}/{len(paths)}] {path}", flush=True)
+                counts.loads.append(os.getloadavg()[0])
+                print(f"[{i + 1}/{len(paths)}] {path} (load {counts.loads[-1]:.2f})", flush=True)
                 await notebook(path.resolve(), Path(tmp) / f"store{i}.sqlite", counts, args)
                 finished += 1
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("stopped early")
+    counts.loads.append(os.getloadavg()[0])
     print(f"\n{finished} of {len(paths)} notebooks in {time.monotonic() - started:.0f} s")
-    print(f"load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    loads = sorted(counts.loads)
+    print(
+        f"load average (1 min) at each notebook's start: median {loads[len(loads) // 2]:.2f}, "
+        f"max {loads[-1]:.2f} on {os.cpu_count()} cores; preview timeout {args.timeout:g} s"
+    )
     print("| cells | backend | cells with text output | answered | exact match | exact, masked |")
     print("|---|---|---|---|---|---|")
-    for (group, name), (total, answered, em, masked) in sorted(counts.rows.items()):
+    for (group, name), (total, answered, em, masked_em) in sorted(counts.rows.items()):
         print(
             f"| {group} | {name} | {total} | {answered / total:.1%} | {em / total:.1%} ({em}) "
-            f"| {masked / total:.1%} ({masked}) |"
+            f"| {masked_em / total:.1%} ({masked_em}) |"
         )
-    for nb, source, got, real in counts.misses[: args.misses]:
-        print(f"\n--- {nb}\n{source}\n--- preview: {got!r}\n--- real: {real!r}")
+    total = counts.rows.get(("all", "preview"), [0])[0]
+    if total:
+        print("\npreview misses by cause:")
+        print("| cause | cells | share of all cells |")
+        print("|---|---|---|")
+        for why, n in sorted(counts.why.items(), key=lambda kv: -kv[1]):
+            print(f"| {why} | {n} | {n / total:.1%} |")
+    for nb, source, got, real, why in counts.misses[: args.misses]:
+        print(f"\n--- {nb}: {why}\n{source}")
+        if got is None:
+            print(f"--- real: {real[:300]!r}")
+            continue
+        diff = difflib.unified_diff(
+            real.splitlines(), got.splitlines(), "real", "preview", n=1, lineterm=""
+        )
+        print("\n".join(list(diff)[:30]))
 
 
 if __name__ == "__main__":

@@ -8,13 +8,17 @@ real kernel, fills it with a DataFrame of about --mb megabytes, and compares
   - the preview through the backend (PreviewPredictor.run_preview: fork, isolation, run,
     JSON back, reply), with the kernel's fork time, the child's isolation time and the
     in-kernel total.
-With --baseline DIR (a copy of another version's `jupyter_themisto` package, e.g. from
-`git archive main jupyter_themisto | tar -x -C DIR`), a second kernel imports the package from
-DIR and the two are measured in turns, under the same load: the ratio is the figure to trust on
-a busy machine.
+The preview's own steps are printed too, from the reply's timing: the fork and the start of
+the preview's first process, its isolation, running the cell, and the reply's way back into the
+kernel; what remains of the round trip is messaging (the request, the kernel's reply, the
+server's side). With --recorder the kernels load the extension (the recorder), as a person's
+kernel does. With --baseline DIR (a copy of another version's `jupyter_themisto` package, e.g.
+from `git archive main jupyter_themisto | tar -x -C DIR`), a second kernel imports the package
+from DIR and the two are measured in turns, under the same load: the ratio is the figure to trust
+on a busy machine.
 
 Run: .venv/bin/python benchmarks/preview_latency.py [--mb 500] [--repeat 15] [--cell 'df.head()']
-     [--baseline DIR]
+     [--baseline DIR] [--recorder]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -43,7 +48,9 @@ async def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--cell", default="df.head()", help="the previewed cell")
     ap.add_argument("--baseline", help="a folder holding another version's jupyter_themisto")
+    ap.add_argument("--recorder", action="store_true", help="kernels load the recorder")
     args = ap.parse_args()
+    args.store_dir = tempfile.mkdtemp(prefix="preview-latency-")
 
     versions: dict[str, str | None] = {"this version": None}
     if args.baseline:
@@ -79,6 +86,8 @@ class Measured:
         self.fork_ms: list[float] = []
         self.setup_ms: list[float] = []
         self.kernel_ms: list[float] = []
+        self.steps: dict[str, list[float]] = {}
+        self.paths: set[str] = set()
         self.df_mb = 0.0
 
     async def measure(self, cell: str) -> None:
@@ -102,6 +111,9 @@ class Measured:
         self.fork_ms.append(out["fork_ms"])
         self.setup_ms.append(out.get("setup_ms", 0.0))
         self.kernel_ms.append(out["elapsed_ms"])
+        for step, ms in out.get("timing_ms", {}).items():
+            self.steps.setdefault(step, []).append(ms)
+        self.paths.add(out.get("path", "?"))
 
     def report(self, name: str, args: Any) -> None:
         def row(what: str, values: list[float]) -> str:
@@ -110,15 +122,30 @@ class Measured:
                 f"| {max(values):.1f} |"
             )
 
-        print(f"\n{name}: DataFrame in the kernel: {self.df_mb:.0f} MB; {args.repeat} runs each")
+        print(
+            f"\n{name}: DataFrame in the kernel: {self.df_mb:.0f} MB; {args.repeat} runs each"
+            + (f"; preview made by: {', '.join(sorted(self.paths))}" if self.steps else "")
+        )
         print("| what | median ms | p90 ms | max ms |")
         print("|---|---|---|---|")
         print(row(f"`{args.cell}` run for real (cell's own time, in the kernel)", self.cell_ms))
         print(row("silent no-op request (messaging floor)", self.noop_ms))
         print(row("preview: fork() in the kernel", self.fork_ms))
         print(row("preview: isolation in the child (namespaces, root, layers)", self.setup_ms))
+        described = {
+            "monitor": "step: fork of the monitor, until it runs",
+            "first process": "step: fork of the preview's first process, until it runs",
+            "isolated": "step: isolation (mount and user namespaces, root, layers)",
+            "ran": "step: the cell run, outputs captured",
+            "reply": "step: reply sent, read and parsed in the kernel, namespace ended",
+        }
+        for step, what in described.items():
+            if step in self.steps:
+                print(row(what, self.steps[step]))
         print(row("preview: in the kernel (fork..reply ready)", self.kernel_ms))
         print(row("preview: backend round trip (end to end)", self.total_ms))
+        rest = [t - k for t, k in zip(self.total_ms, self.kernel_ms, strict=True)]
+        print(row("preview: messaging (end to end minus in the kernel)", rest))
         overhead = statistics.median(self.total_ms) - statistics.median(self.cell_ms)
         print(f"median overhead beyond the cell's own time: {overhead:.1f} ms")
 
@@ -132,8 +159,12 @@ async def start(args: Any, package: str | None) -> Measured:
     env = dict(os.environ)
     if package:
         env["PYTHONPATH"] = package + os.pathsep + env.get("PYTHONPATH", "")
+    extra = []
+    if args.recorder:
+        env["THEMISTO_STORE"] = os.path.join(args.store_dir, f"{package is not None}.sqlite")
+        extra = ["--ext=jupyter_themisto"]
     km = AsyncKernelManager(kernel_name="python3")
-    await km.start_kernel(env=env)
+    await km.start_kernel(env=env, extra_arguments=extra)
     kc = km.client()
     kc.start_channels()
     await kc.wait_for_ready(timeout=120)

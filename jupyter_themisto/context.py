@@ -1,8 +1,9 @@
-"""The prediction context: prior cells and a curated runtime summary, within a token budget."""
+"""The prediction context: prior cells and a curated runtime summary, within a token budget.
+
+How a context becomes a model's prompt is jupyter_themisto.backends.prompts' job."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,10 @@ class ContextCell:
     status: str = "ok"
     cell_type: str = "code"
     execution_count: int | None = None
+    #: the execution's place in the trajectory (0: the first cell run); None for notebook cells
+    order_index: int | None = None
+    #: the notebook cell's id, where known (lets markdown stand beside the code it explains)
+    cell_id: str | None = None
 
 
 @dataclass
@@ -35,6 +40,8 @@ class PredictionContext:
     """Everything a backend may use for one prediction."""
 
     cells: list[ContextCell] = field(default_factory=list)
+    #: the notebook's cells below the insertion point, nearest first (next-cell task)
+    cells_below: list[ContextCell] = field(default_factory=list)
     variables: list[VariableInfo] = field(default_factory=list)
     with_runtime: bool = True
     #: the cell whose output is predicted (output task only)
@@ -76,6 +83,8 @@ DEFAULT_MAX_VARIABLES = 25
 # The runtime summary may take at most this share of the budget: the Themisto paper found that
 # adding all runtime information does not help, so it is curated, not dumped.
 RUNTIME_SHARE = 0.3
+# The cells below the insertion point (fill-in-the-middle) may take at most this share.
+BELOW_SHARE = 0.2
 # Types whose values say little about what comes next; listed last, and dropped first.
 _NOISE_TYPES = ("module", "function", "builtin_function_or_method", "type", "method")
 
@@ -141,6 +150,86 @@ def curate_variables(
     return out
 
 
+def _cell_text(cell: dict[str, Any]) -> str:
+    text = cell.get("source") or ""
+    return "".join(text) if isinstance(text, list) else str(text)
+
+
+def _notebook_cell(c: dict[str, Any], limit: int, *, ran: bool) -> ContextCell | None:
+    text = truncate_text(_cell_text(c).strip(), limit)
+    if not text:
+        return None
+    kind = str(c.get("cell_type") or "code")
+    status = "ok" if kind == "markdown" or ran else "not run"
+    return ContextCell(source=text, cell_type=kind, status=status, cell_id=c.get("id"))
+
+
+def _place_markdown(
+    cells: list[ContextCell],
+    notebook_cells: Sequence[dict[str, Any]],
+    budget: int | None,
+    limit: int,
+) -> list[ContextCell]:
+    """`cells` (executions in run order) with the notebook's markdown cells among them.
+
+    A markdown cell stands after the latest run of the code cell above it in the notebook
+    (matched by cell id), the ones directly above the insertion point at the very end; without
+    ids they all come first. Within `budget`, the markdown nearest the insertion point wins.
+    """
+    anchored: dict[str | None, list[ContextCell]] = {}
+    anchor: str | None = None
+    trailing: list[ContextCell] = []
+    for c in notebook_cells:
+        if c.get("cell_type") == "code":
+            anchor = c.get("id") or anchor
+            trailing = []
+            continue
+        if c.get("cell_type") != "markdown":
+            continue
+        note = _notebook_cell(c, limit, ran=True)
+        if note is not None:
+            anchored.setdefault(anchor, []).append(note)
+            trailing.append(note)
+    ran_ids = {c.cell_id for c in cells if c.cell_id}
+    if not ran_ids or not any(k for k in anchored if k):
+        notes = [n for group in anchored.values() for n in group]
+        return _within(notes, budget) + cells
+    # Whom each note goes with, by priority: the trailing ones, then the newest runs first.
+    last_run = {c.cell_id: i for i, c in enumerate(cells) if c.cell_id}
+    trailing_ids = {id(n) for n in trailing}
+    order = list(trailing)
+    for cid in sorted(last_run, key=last_run.__getitem__, reverse=True):
+        order += [n for n in reversed(anchored.get(cid, [])) if id(n) not in trailing_ids]
+    order += [n for n in reversed(anchored.get(None, [])) if id(n) not in trailing_ids]
+    kept = {id(n) for n in _within(order, budget, keep_order=True)}
+    out = [n for n in anchored.get(None, []) if id(n) in kept and id(n) not in trailing_ids]
+    for i, cell in enumerate(cells):
+        out.append(cell)
+        if cell.cell_id and last_run.get(cell.cell_id) == i:
+            out += [
+                n
+                for n in anchored.get(cell.cell_id, [])
+                if id(n) in kept and id(n) not in trailing_ids
+            ]
+    return out + [n for n in trailing if id(n) in kept]
+
+
+def _within(
+    notes: list[ContextCell], budget: int | None, keep_order: bool = False
+) -> list[ContextCell]:
+    """The first notes (or, without keep_order, the last ones) that fit `budget` together."""
+    if budget is None:
+        return notes
+    chosen: list[ContextCell] = []
+    for n in notes if keep_order else reversed(notes):
+        cost = estimate_tokens(n.source) + 2
+        if cost > budget:
+            break
+        chosen.append(n)
+        budget -= cost
+    return chosen if keep_order else chosen[::-1]
+
+
 def build_context(
     executions: Iterable[dict[str, Any]],
     variables: Iterable[dict[str, Any]] = (),
@@ -148,6 +237,7 @@ def build_context(
     with_runtime: bool = True,
     target_source: str | None = None,
     notebook_cells: Sequence[dict[str, Any]] | None = None,
+    cells_below: Sequence[dict[str, Any]] | None = None,
     variable_changes: dict[str, int] | None = None,
     token_budget: int | None = DEFAULT_TOKEN_BUDGET,
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
@@ -160,9 +250,11 @@ def build_context(
     Curation, within `token_budget` (None: unlimited): the runtime summary takes at most
     RUNTIME_SHARE of the budget (most recently changed variables first; `variable_changes` maps a
     name to the order index of the execution that last changed it, else the snapshot's
-    `changed` flag ranks it); executions fill the rest from the newest backwards, each output
-    cut to `max_output_chars`; markdown cells of the request's notebook (`notebook_cells`,
-    nbformat-like dicts with cell_type and source) come first when room is left.
+    `changed` flag ranks it); the cells below the insertion point (`cells_below`, nearest first)
+    at most BELOW_SHARE; executions fill the rest from the newest backwards, each output cut to
+    `max_output_chars`; markdown cells of the request's notebook (`notebook_cells`, the cells
+    above the insertion point as nbformat-like dicts with cell_type, source and optionally id)
+    take what room is left, placed beside the code they follow.
     """
     rows = list(executions)
     infos: list[VariableInfo] = []
@@ -190,6 +282,20 @@ def build_context(
     if budget is not None and target_source:
         budget -= estimate_tokens(target_source)
 
+    below: list[ContextCell] = []
+    below_budget = None if budget is None else int(budget * BELOW_SHARE)
+    for c in cells_below or ():
+        cell = _notebook_cell(c, max_output_chars * 2, ran=False)
+        if cell is None:
+            continue
+        cost = estimate_tokens(cell.source) + 2
+        if below_budget is not None:
+            if cost > below_budget:
+                break
+            below_budget -= cost
+            budget = (budget or 0) - cost
+        below.append(cell)
+
     cells: list[ContextCell] = []
     for e in reversed(rows):
         cell = ContextCell(
@@ -197,6 +303,8 @@ def build_context(
             output_text=outputs_to_text(e.get("outputs") or [], limit=max_output_chars),
             status=e.get("status", "ok"),
             execution_count=e.get("execution_count"),
+            order_index=e.get("order_index"),
+            cell_id=e.get("cell_id"),
         )
         cost = estimate_tokens(cell.source) + estimate_tokens(cell.output_text) + 4
         if budget is not None and cost > budget:
@@ -212,130 +320,23 @@ def build_context(
             budget -= cost
     cells.reverse()
 
-    notes: list[ContextCell] = []
-    # Nothing run yet (a fresh kernel): the notebook's code cells are the best context there is.
-    kinds = ("markdown",) if rows else ("markdown", "code")
-    for c in reversed(list(notebook_cells or [])):
-        if c.get("cell_type") not in kinds:
-            continue
-        text = c.get("source") or ""
-        text = "".join(text) if isinstance(text, list) else str(text)
-        text = truncate_text(text.strip(), max_output_chars)
-        if not text:
-            continue
-        cost = estimate_tokens(text) + 2
-        if budget is not None and cost > budget:
-            break
-        kind = str(c.get("cell_type"))
-        notes.append(
-            ContextCell(
-                source=text, cell_type=kind, status="ok" if kind == "markdown" else "not run"
-            )
-        )
-        if budget is not None:
-            budget -= cost
-    notes.reverse()
+    if not rows:
+        # Nothing run yet (a fresh kernel): the notebook's cells are the best context there is.
+        notes = [
+            n
+            for c in notebook_cells or ()
+            if c.get("cell_type") in ("markdown", "code")
+            and (n := _notebook_cell(c, max_output_chars, ran=False)) is not None
+        ]
+        cells = _within(notes, budget)
+    elif notebook_cells:
+        cells = _place_markdown(cells, notebook_cells, budget, max_output_chars)
 
     return PredictionContext(
-        cells=notes + cells,
+        cells=cells,
+        cells_below=below,
         variables=infos,
         with_runtime=with_runtime,
         target_source=target_source,
         **ids,
     )
-
-
-NEXT_CELL_INSTRUCTIONS = (
-    "You predict the next code cell a person will run in a Jupyter notebook, from the cells "
-    "they ran so far (in the order they ran them) and the live variables of their kernel. "
-    "Answer with the Python code of the next cell only: no explanation, no Markdown fences."
-)
-OUTPUT_INSTRUCTIONS = (
-    "You predict the text output a Jupyter notebook cell will print or display when it runs, "
-    "from the cells run before it and the live variables of the kernel. Answer with the "
-    "output text only, exactly as Jupyter would show it: no explanation, no Markdown fences."
-)
-
-
-def render_context(ctx: PredictionContext) -> str:
-    """The context as plain text for a language model: notes, cells in run order, variables."""
-    lines: list[str] = []
-    if ctx.notebook_path:
-        lines.append(f"# Notebook: {ctx.notebook_path}")
-    for c in ctx.cells:
-        if c.cell_type == "markdown":
-            lines.append("# [markdown]")
-            lines.extend("# " + line for line in c.source.splitlines())
-            continue
-        count = c.execution_count if c.execution_count is not None else " "
-        lines.append(f"# In[{count}]:" + ("" if c.status == "ok" else f" ({c.status})"))
-        lines.append(c.source.rstrip())
-        if c.output_text.strip():
-            lines.append("# Out:")
-            lines.extend("# " + line for line in c.output_text.rstrip().splitlines())
-    if ctx.with_runtime and ctx.variables:
-        lines.append("# Live variables (most recently changed first):")
-        lines.extend("#   " + variable_line(v) for v in ctx.variables)
-    return "\n".join(lines) + "\n"
-
-
-def render_prompt(ctx: PredictionContext, task: str) -> tuple[str, str]:
-    """(instructions, prompt text) for `task` "next-cell" or "output"."""
-    body = render_context(ctx)
-    if task == "output":
-        body += f"# The cell to predict the output of:\n{(ctx.target_source or '').rstrip()}\n"
-        return OUTPUT_INSTRUCTIONS, body
-    if task != "next-cell":
-        raise ValueError(f"unknown task {task!r}: expected 'next-cell' or 'output'")
-    body += "# The next cell:\n"
-    return NEXT_CELL_INSTRUCTIONS, body
-
-
-def completion_prompt(ctx: PredictionContext, task: str) -> tuple[str, list[str]]:
-    """(prompt, stop strings) for a small model that continues text rather than chats.
-
-    Each task gets the shape such models have seen most often. The next cell continues a
-    Jupytext "percent" script (each cell behind a "# %%" line, outputs and live variables as
-    comments); an output continues a Python console session (">>> " and "... " before each
-    cell's lines, then what it printed; of the live variables only those the cell names). The
-    stop strings end the answer at the next cell.
-    """
-    shown = ctx.variables if ctx.with_runtime else []
-    if task == "output":
-        # A small model copies what it is shown: only the variables the cell itself names.
-        named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
-        shown = [v for v in shown if v.name in named]
-    variables = [variable_line(v) for v in shown]
-    if task == "next-cell":
-        lines: list[str] = []
-        for c in ctx.cells:
-            if c.cell_type == "markdown":
-                lines.append("# %% [markdown]")
-                lines.extend("# " + line for line in c.source.splitlines())
-                continue
-            lines += ["# %%", c.source.rstrip()]
-            out = c.output_text.rstrip().splitlines()
-            lines.extend(("# Out: " if i == 0 else "# ") + line for i, line in enumerate(out))
-            lines.append("")
-        if variables:
-            lines.append("# Live variables (most recently changed first):")
-            lines.extend("#   " + v for v in variables)
-            lines.append("")
-        return "\n".join(lines + ["# %%", ""]), ["# %%", "\n# Out"]
-    if task != "output":
-        raise ValueError(f"unknown task {task!r}: expected 'next-cell' or 'output'")
-
-    def console(source: str) -> list[str]:
-        src = source.rstrip().splitlines() or [""]
-        return [">>> " + src[0]] + ["... " + line for line in src[1:]]
-
-    lines = []
-    for c in ctx.cells:
-        if c.cell_type != "code" or c.status == "not run":
-            continue
-        lines += console(c.source)
-        if c.output_text.strip():
-            lines.append(c.output_text.rstrip())
-    lines.extend(">>> # " + v for v in variables)
-    lines += console(ctx.target_source or "")
-    return "\n".join(lines + [""]), [">>> "]

@@ -75,7 +75,8 @@ class Kernel:
         return [
             {"msg_type": m["msg_type"], **m["content"]}
             for m in msgs
-            if m["msg_type"] in ("stream", "display_data", "execute_result", "error")
+            if m["msg_type"]
+            in ("stream", "display_data", "execute_result", "error", "clear_output")
         ]
 
     def value(self, expr: str) -> str:
@@ -102,6 +103,42 @@ class Kernel:
     def close(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
+
+
+#: a kernel launcher that gives up CAP_SYS_ADMIN for good (as a container's root, or any
+#: non-root user, lacks it): its previews take the unprivileged way, through a monitor that
+#: enters a user namespace first
+WITHOUT_SYS_ADMIN = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(24, 21, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_ADMIN: gone across exec
+    raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+"""
+
+
+def kernel_for_path(path: str, store_path: Path, cwd: Path) -> Kernel:
+    """A kernel whose previews take `path`: "direct" (this test runs as root: the kernel forks
+    the preview straight into its namespaces) or "monitor" (a kernel without CAP_SYS_ADMIN)."""
+    if path == "direct":
+        assert os.geteuid() == 0, "the direct path needs a root kernel"
+        return Kernel(store_path, cwd)
+    launcher = cwd / ".kernelspec" / "without_sys_admin.py"
+    launcher.parent.mkdir(parents=True, exist_ok=True)
+    launcher.write_text(WITHOUT_SYS_ADMIN)
+    return Kernel(store_path, cwd, launcher=launcher)
+
+
+def namespaces(pid: int) -> set[str]:
+    """Every namespace any thread of process `pid` is in (threads that end meanwhile aside)."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for name in ("net", "ipc", "uts", "pid", "pid_for_children", "mnt", "user", "cgroup"):
+            try:
+                found.add(os.readlink(f"/proc/{pid}/task/{tid}/ns/{name}"))
+            except OSError:
+                pass
+    return found
 
 
 def text_of(reply: dict[str, Any]) -> str:

@@ -21,7 +21,8 @@ from jupyter_themisto.backends._local import Completion, LocalModelPredictor, lo
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
-from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, completion_prompt
+from jupyter_themisto.backends.prompts import QWEN_FIM, next_cell_prompt
+from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
 
 #: A prompt the model continues for long: counting, with no cell boundary in sight.
 ENDLESS = "# %%\nnumbers = [\n    1,\n    2,\n    3,\n"
@@ -43,9 +44,6 @@ def session(**kw) -> PredictionContext:
             changed_at=1,
         )
     ]
-    # Without the runtime part by default: today's prompt renders it as comments, which the
-    # model continues (the prompt builder is being reworked; these tests are about running it).
-    kw.setdefault("with_runtime", False)
     return PredictionContext(cells=cells, variables=variables, **kw)
 
 
@@ -111,10 +109,13 @@ async def test_next_cell_streams_and_stops_at_the_cell_boundary(model_file):
     text = "".join(c.text for c in chunks)
     assert chunks[-1].done and text.strip()
     assert "# %%" not in text and "```" not in text
-    # The same greedy answer straight from the engine, cut at the first stop string: equal.
-    prompt, stops = completion_prompt(session(), "next-cell")
-    raw = "".join(generate(backend, Completion(prompt, [], 64)))
-    cut = min((raw.find(s) for s in stops if s in raw), default=len(raw))
+    # The prompt is a percent-format script that ends with an open "# %%" cell; the answer is
+    # what the model writes there, up to the next cell marker or output comment: the same
+    # greedy answer straight from the engine, cut at the first stop string.
+    p = next_cell_prompt(session(), backend.prompt_options)
+    assert p.text.endswith("\n# %%\n") and "# %%" in p.stops and p.suffix is None
+    raw = "".join(generate(backend, Completion(p.text, [], 64)))
+    cut = min((raw.find(s) for s in p.stops if s in raw), default=len(raw))
     assert text.strip() == raw[:cut].strip()
 
 
@@ -203,12 +204,39 @@ async def test_fill_in_the_middle(model_file):
     assert "return" in text and "a" in text and "b" in text
 
 
+async def test_fim_tokens_are_found_in_the_models_vocabulary(model_file):
+    backend = llama()
+    assert backend.fim_tokens(backend.shared()) == QWEN_FIM
+    tiny = llama(model="smollm2-135m")
+    assert tiny.fim_tokens(tiny.shared()) is None  # it spells them with several tokens
+
+
+async def test_cells_below_become_a_fim_suffix_that_a_long_prompt_keeps(model_file):
+    backend = llama(prompt_below=True, max_prompt_tokens=64, max_tokens=16)
+    ctx = session(with_runtime=False)
+    ctx.cells_below = [ContextCell(source="print(total)", status="not run")]
+    ctx.cells[0] = ContextCell(source="import pandas as pd  # " + "x" * 600, execution_count=1)
+    prompt = next_cell_prompt(ctx, backend.prompt_options, backend.fim_tokens(backend.shared()))
+    job = Completion.of(prompt, 16)
+    assert job.suffix == "\n# %%\nprint(total)\n" and job.fim == QWEN_FIM
+    body = backend.request(job)["prompt"]
+    # Cut to its newest part, the prompt still opens with the FIM prefix token and keeps the
+    # suffix and the middle token.
+    assert len(body) < len(prompt.text)
+    assert body.startswith("<|fim_prefix|>") and body.endswith("print(total)\n<|fim_middle|>")
+    assert body.count("<|fim_prefix|>") == 1 and "x" * 600 not in body
+    plain = llama(max_prompt_tokens=64)  # the cells below are off by default
+    assert next_cell_prompt(ctx, plain.prompt_options, None).suffix is None
+    chunks = [c async for c in backend.predict_next_cell(ctx)]
+    assert chunks and chunks[-1].done
+
+
 async def test_warm_evaluates_the_prompt_ahead(model_file):
     backend = llama(max_tokens=16, parallel=1)
     ctx = session()
     await backend.warm(ctx)
-    prompt, stops = completion_prompt(ctx, "next-cell")
-    body = backend.request(Completion(prompt, stops, 4), stream=False)
+    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 4)
+    body = backend.request(job, stream=False)
     model = backend.shared()
     with model.lock:
         answer = model.model.handle_completions(body)
@@ -312,6 +340,31 @@ async def test_a_greedy_answer_starting_with_a_comment_streams_once_code_comes()
     backend = ScriptedEngine(["# the mean\ndf.mean()\n"])
     chunks = await stream(backend, session())
     assert "".join(t for _, t, _ in chunks) == "# the mean\ndf.mean()\n"
+
+
+async def test_ranked_alternatives_follow_the_suggestion_on_screen():
+    backend = ScriptedEngine(["df.describe()\n", "df.head()\n", "df.describe()\n"])
+    chunks = [c async for c in backend.predict_next_cell(session(), n=3)]
+    texts: dict[int, str] = {}
+    for c in chunks:
+        texts[c.index] = texts.get(c.index, "") + c.text
+    # The greedy answer streams first as index 0, then gets its score: a sample agreed with it.
+    assert chunks[0].index == 0 and not chunks[0].done
+    assert texts == {0: "df.describe()\n", 1: "df.head()\n"}
+    score0 = [c.score for c in chunks if c.index == 0 and c.score is not None]
+    alt = [c for c in chunks if c.index == 1]
+    assert score0 and alt[0].metadata == {"source": "sampled"} and alt[0].score is not None
+    assert score0[0] > alt[0].score
+
+
+async def test_a_degenerate_greedy_answer_leaves_index_0_to_a_sample_in_a_ranked_list():
+    backend = ScriptedEngine(["# only a comment\n", "df.tail()\n", "df.mean()\n", "df.sum()\n"])
+    chunks = [c async for c in backend.predict_next_cell(session(), n=3)]
+    texts: dict[int, str] = {}
+    for c in chunks:
+        texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts[0] == "df.tail()\n" and "# only a comment" not in "".join(texts.values())
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 3
 
 
 async def test_repetition_is_cut():

@@ -16,8 +16,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from jupyter_themisto.backends import BackendUnavailable, create_backend
 from jupyter_themisto.backends._local import Completion, stream_from_thread
 from jupyter_themisto.backends._text import StopScanner, strip_code_fences
+from jupyter_themisto.backends.prompts import completion_prompt
 from jupyter_themisto.backends.seq2seq import Seq2SeqPredictor
-from jupyter_themisto.context import ContextCell, PredictionContext, completion_prompt
+from jupyter_themisto.context import ContextCell, PredictionContext
 
 CORPUS = [
     "import pandas as pd\ndf = pd.read_csv('data.csv')\ndf.head()\n",
@@ -119,7 +120,8 @@ async def test_next_cell_equals_transformers_generate(model_dir):
     assert (await backend.health())["ok"] is True
     chunks = [c async for c in backend.predict_next_cell(session())]
     text = "".join(c.text for c in chunks)
-    prompt, stops = completion_prompt(session(), "next-cell")
+    p = completion_prompt(session(), "next-cell")
+    prompt, stops = p.text, p.stops
     expected = reference(model_dir, prompt, stops, 20)
     assert chunks[-1].done
     assert expected.strip(), "the tiny model should answer more than white space"
@@ -132,7 +134,8 @@ async def test_output_prediction_equals_transformers_generate(model_dir):
     )
     ctx = session(target_source="x.mean()")
     text = "".join([c.text async for c in backend.predict_output(ctx)])
-    prompt, stops = completion_prompt(ctx, "output")
+    p = completion_prompt(ctx, "output")
+    prompt, stops = p.text, p.stops
     assert prompt.endswith(">>> x.mean()\n")
     assert text == reference(model_dir, prompt, stops, 12)
 

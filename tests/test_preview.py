@@ -14,17 +14,27 @@ import pytest
 
 from jupyter_themisto.store import TrajectoryStore
 
-from .preview_kernel import Kernel, text_of
+from .preview_kernel import Kernel, kernel_for_path, namespaces, text_of
+
+#: the two ways a preview is made: a root kernel forks it straight into its namespaces; a kernel
+#: without CAP_SYS_ADMIN (any other user, a container's root) through a monitor that enters a
+#: user namespace first. Every test of this module runs against both.
+PATHS = ["direct", "monitor"]
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def path(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("preview")
+def workdir(tmp_path_factory, path):
+    return tmp_path_factory.mktemp(f"preview-{path}")
 
 
 @pytest.fixture(scope="module")
-def kernel(workdir):
-    k = Kernel(workdir / "store.sqlite", workdir)
+def kernel(workdir, path):
+    k = kernel_for_path(path, workdir / "store.sqlite", workdir)
     k.run("xs = [1, 2, 3]\nys = {'a': 1}\nimport pandas as pd\nimport numpy as np\n")
     yield k
     k.close()
@@ -39,15 +49,21 @@ def files(root: Path) -> dict[str, tuple[int, bytes]]:
     }
 
 
-def test_every_isolation_layer_is_on(kernel):
+def test_every_isolation_layer_is_on(kernel, path):
+    home = namespaces(kernel.pid)
     reply = kernel.preview("1 + 1")
     assert reply["status"] == "ok" and reply["stopped"] == []
+    assert reply["path"] == path
+    # No thread of the kernel was left in the preview's namespaces (the direct path's thread
+    # enters them to fork, and leaves).
+    assert namespaces(kernel.pid) == home
     assert reply["outputs"] == [
         {
             "output_type": "execute_result",
             "data": {"text/plain": "2"},
             "metadata": {},
-            "execution_count": None,
+            # the count the cell will have when it runs
+            "execution_count": int(kernel.value("get_ipython().execution_count")),
         }
     ]
     layers = reply["sandbox"]
@@ -358,7 +374,7 @@ def test_interrupting_the_kernel_kills_the_preview(kernel):
     msg_id = kernel.kc.execute(
         "", silent=True, store_history=False, user_expressions={"p": expr}, allow_stdin=False
     )
-    while len(proc.children(recursive=True)) < 2:  # the monitor and the preview
+    while not running_children():  # the preview's first process (or its monitor)
         assert time.monotonic() < deadline, "the preview never started"
         time.sleep(0.05)
     time.sleep(0.5)

@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 import pytest
 
-from .preview_kernel import Kernel, text_of
+from .preview_kernel import kernel_for_path, namespaces, text_of
 
 MARK = f"themisto-hostile-{uuid.uuid4().hex[:8]}"
 FS_IOC_GETFLAGS = 0x80086601
@@ -74,7 +74,7 @@ os.write(pw, b"PIPEDATA")
 class World:
     """The kernel under attack and everything around it the test can observe from outside."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, path: str) -> None:
         self.root = root
         self.work = root / "work"
         self.work.mkdir()
@@ -102,7 +102,7 @@ class World:
         self.abstract.bind(f"\0{MARK}")
         self.abstract.listen(4)
         self.abstract.setblocking(False)
-        self.kernel = Kernel(root / "store.sqlite", self.work)
+        self.kernel = kernel_for_path(path, root / "store.sqlite", self.work)
         self.tokens = {
             "@WORK@": str(self.work),
             "@MARK@": MARK,
@@ -262,13 +262,18 @@ def observe(w: World) -> dict[str, Any]:
             Path("/proc/sys/net/ipv4/ip_forward").read_text(),
         ],
         "hostname": (socket.gethostname(), os.uname().nodename),
+        # (a thread of the kernel that enters the preview's namespaces to fork it must leave)
+        "kernel namespaces": sorted(namespaces(k.pid)),
         "clock": round(time.time() - time.monotonic() - w.clock),
     }
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    w = World(tmp_path_factory.mktemp("hostile"))
+@pytest.fixture(scope="module", params=["direct", "monitor"])
+def world(tmp_path_factory, request):
+    """The suite runs twice: against a root kernel, which forks its previews straight into
+    their namespaces, and against one without CAP_SYS_ADMIN, whose previews go through a
+    monitor that enters a user namespace first."""
+    w = World(tmp_path_factory.mktemp(f"hostile-{request.param}"), request.param)
     yield w
     # The kernel's own handles still hold what they held: the preview took nothing.
     k = w.kernel

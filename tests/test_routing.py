@@ -113,16 +113,14 @@ async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverap
     backend = manager.backend(None)
     # The prompt of the suggestion asked next is in the engine's cache now, whole.
     from jupyter_themisto.backends._local import Completion
-    from jupyter_themisto.context import completion_prompt
+    from jupyter_themisto.backends.prompts import next_cell_prompt
     from jupyter_themisto.server.models import NextCellRequest
 
     ctx = manager.browser_context(NextCellRequest.model_validate({**body, "warm": False}))
-    prompt, stops = completion_prompt(ctx, "next-cell")
+    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
     model = backend.shared()
     with model.lock:
-        answer = model.model.handle_completions(
-            backend.request(Completion(prompt, stops, 2), stream=False)
-        )
+        answer = model.model.handle_completions(backend.request(job, stream=False))
     usage = answer["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
     # A warm request for a backend with nothing to prepare is answered the same way.
@@ -134,7 +132,8 @@ async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverap
 async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_serverapp, store_path):
     """Sent as a cell starts running: the cell is not recorded yet, but its source is read."""
     from jupyter_themisto.backends._local import Completion
-    from jupyter_themisto.context import ContextCell, completion_prompt
+    from jupyter_themisto.backends.prompts import next_cell_prompt
+    from jupyter_themisto.context import ContextCell
 
     store = TrajectoryStore(store_path)
     tid = store.create_trajectory(notebook_path="run.ipynb", kernel_id="k-run")
@@ -151,13 +150,14 @@ async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_ser
     # The prompt that ends with the running cell is in the cache.
     from jupyter_themisto.context import PredictionContext
 
-    ctx = PredictionContext(cells=[ContextCell(source=c["source"]) for c in cells])
-    prompt, stops = completion_prompt(ctx, "next-cell")
+    ctx = PredictionContext(
+        cells=[ContextCell(source=c["source"], order_index=i) for i, c in enumerate(cells)],
+        with_runtime=False,
+    )
+    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
     model = backend.shared()
     with model.lock:
-        answer = model.model.handle_completions(
-            backend.request(Completion(prompt, stops, 2), stream=False)
-        )
+        answer = model.model.handle_completions(backend.request(job, stream=False))
     usage = answer["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
     store.close()

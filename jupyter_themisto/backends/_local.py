@@ -19,9 +19,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, I
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..context import PredictionContext, completion_prompt
+from ..context import PredictionContext
 from ._text import AnswerBounds, FenceStripper, StopScanner, degenerate_reason, hold_back
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
+from .prompts import FimTokens, Prompt, PromptOptions, next_cell_prompt, output_prompt
+from .ranking import Candidate, normalized, rank, with_each_source
 
 
 @dataclass(frozen=True)
@@ -33,19 +35,53 @@ class Completion:
     max_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
-    #: text after the insertion point: the model fills in the middle (where it can)
+    #: text after the insertion point: the model fills in the middle with `fim`'s tokens
     suffix: str | None = None
+    fim: FimTokens | None = None
     #: seconds the generation may take (the engine stops it; 0: no bound)
     time_limit: float = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        prompt: Prompt,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        time_limit: float = 0.0,
+    ) -> Completion:
+        """The Completion of `prompt`: a fill-in-the-middle prompt keeps its two sides apart
+        (an engine that must shorten the prompt cuts the prefix's beginning, never the FIM
+        tokens around it)."""
+        if prompt.suffix is not None and prompt.fim is not None:
+            return cls(
+                prompt.prefix,
+                prompt.stops,
+                max_tokens,
+                temperature,
+                seed,
+                suffix=prompt.suffix,
+                fim=prompt.fim,
+                time_limit=time_limit,
+            )
+        return cls(prompt.text, prompt.stops, max_tokens, temperature, seed, time_limit=time_limit)
 
 
 class SharedModel:
     """A loaded model and the semaphore that lets `slots` generations run on it at once."""
 
-    def __init__(self, model: Any, load_seconds: float, slots: int = 1) -> None:
+    def __init__(
+        self,
+        model: Any,
+        load_seconds: float,
+        slots: int = 1,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         self.model = model
         self.load_seconds = load_seconds
         self.slots = slots
+        #: what the backend learnt about the model as it loaded it (e.g. its FIM tokens)
+        self.details: dict[str, Any] = details if details is not None else {}
         #: held by each running generation; `with model.lock` waits for a free slot
         self.lock = threading.BoundedSemaphore(slots)
         #: the cancel flags of the generations running now (set all of them to stop them)
@@ -56,15 +92,21 @@ _models: dict[Hashable, SharedModel] = {}
 _models_lock = threading.Lock()
 
 
-def shared_model(key: Hashable, load: Callable[[], Any], slots: int = 1) -> SharedModel:
-    """The model for `key`, loaded by `load()` the first time any backend asks for it."""
+def shared_model(
+    key: Hashable,
+    load: Callable[[], Any],
+    slots: int = 1,
+    details: dict[str, Any] | None = None,
+) -> SharedModel:
+    """The model for `key`, loaded by `load()` the first time any backend asks for it; `load`
+    may fill `details` (kept as the SharedModel's)."""
     with _models_lock:
         found = _models.get(key)
         if found is None:
             if not _models:
                 atexit.register(_close_models)
             start = time.perf_counter()
-            found = SharedModel(load(), time.perf_counter() - start, slots)
+            found = SharedModel(load(), time.perf_counter() - start, slots, details)
             _models[key] = found
         return found
 
@@ -181,14 +223,16 @@ class LocalModelPredictor(Predictor):
     """Base of backends that run a model in this process.
 
     Subclasses implement `shared()` (the SharedModel, loaded on first use) and `produce()`
-    (the text pieces of one Completion), or `run()` for engines that hand text to a callback.
-    Prompts come from `context.completion_prompt`, one shape per task (a percent-format script
-    for the next cell, a console session for an output); both end at the next cell boundary.
+    (the text pieces of one Completion), or `run()` for engines that hand text to a callback,
+    and may name the model's fill-in-the-middle tokens (`fim_tokens()`). Prompts come from
+    `prompts.next_cell_prompt` / `prompts.output_prompt` (a percent-format script for the next
+    cell, a console session for an output); both end at the next cell boundary.
 
     Settings: max_tokens (next cell, default 128), output_max_tokens (default 128), max_lines
     (of one answer, default 30), suggestion_timeout (seconds one answer may take, default 5),
     temperature (default 0: greedy; later suggestions of a ranked list are sampled at
-    sample_temperature, default 0.8), seed (default 0).
+    sample_temperature, default 0.8), seed (default 0), and the prompt_* settings of
+    `prompts.PromptOptions`.
     """
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
@@ -201,6 +245,8 @@ class LocalModelPredictor(Predictor):
         self.temperature = float(c.get("temperature", 0.0))
         self.sample_temperature = float(c.get("sample_temperature", 0.8))
         self.seed = int(c.get("seed", 0))
+        self.prompt_options = PromptOptions.from_settings(c)
+        self._retrieval: Predictor | None = None
         for key in ("max_tokens", "output_max_tokens", "max_lines"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{self.name} backend: {key} must be at least 1")
@@ -246,15 +292,25 @@ class LocalModelPredictor(Predictor):
 
         threading.Thread(target=load, name=f"themisto-load-{self.name}", daemon=True).start()
 
+    def fim_tokens(self, model: SharedModel) -> FimTokens | None:
+        """The model's fill-in-the-middle tokens, if it has them (then cells below are used)."""
+        return None
+
+    def _fim(self, model: SharedModel) -> FimTokens | None:
+        # Asked only when the prompt would use them (the cells below are off by default).
+        return self.fim_tokens(model) if self.prompt_options.below else None
+
     async def _model(self) -> SharedModel:
         # Loading takes long enough (a model file, weights) to keep it off the event loop.
         return await asyncio.to_thread(self.shared)
 
-    async def _complete(self, job: Completion) -> AsyncIterator[str]:
+    async def _complete(
+        self, job: Completion, status: dict[str, bool] | None = None
+    ) -> AsyncIterator[str]:
         """Streamed text of one answer: cut at the cell boundary, code fences removed, at most
-        `max_lines` lines, stopped when it repeats itself, and ended `suggestion_timeout`
-        seconds after it was asked for (waiting for a free slot included; loading the model
-        not)."""
+        `max_lines` lines, stopped when it repeats itself, and ended `job.time_limit` (else
+        `suggestion_timeout`) seconds after it was asked for (waiting for a free slot included;
+        loading the model not). An answer ended by its time sets `status["timed_out"]`."""
         model = await self._model()
         job = replace(job, time_limit=job.time_limit or self.suggestion_timeout)
         scanner = StopScanner(job.stops)
@@ -277,6 +333,8 @@ class LocalModelPredictor(Predictor):
                 except asyncio.TimeoutError:
                     self.env.log.info("%s: answer ended after %g s", self.name, job.time_limit)
                     self.timed_out += 1
+                    if status is not None:
+                        status["timed_out"] = True
                     return
                 text = bounds.feed(fences.feed(scanner.feed(piece)))
                 if text:
@@ -293,68 +351,107 @@ class LocalModelPredictor(Predictor):
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
-        """The greedy answer first, streamed; then sampled ones, whole and distinct.
+        """The suggestion on screen first (index 0), streamed; then the ranked alternatives.
 
         A suggestion that is not worth showing (only comments or blank lines, the cell just
         run again, nothing) is dropped without ever being shown: the greedy answer is held back
-        while it may still turn out so, and sampling stands in for it, with two attempts to
-        spare.
+        while it may still turn out so, and samples stand in for it, two at most, all within
+        `suggestion_timeout`. For more than one suggestion, sampled answers (one per further
+        place, each with its own time) and cells retrieved from the recorded history (the
+        `retrieval` backend, settings under `retrieval`) join it and are ranked together
+        (`ranking.rank`: deduplicated, degenerate ones dropped, scored by consensus); index 0
+        keeps its place (it is on screen already) and gets its score. A machine too busy to
+        answer within the time gets no further attempts.
         """
-        prompt, stops = completion_prompt(ctx, "next-cell")
+        model = await self._model()
+        prompt = next_cell_prompt(ctx, self.prompt_options, self._fim(model))
         previous = _previous_cell(ctx)
         wanted = max(1, n)
-        seen: set[str] = set()
         dropped: list[str] = []
-        # The first suggestion (the one on screen) has suggestion_timeout in all, stand-ins for
-        # a dropped greedy answer included; each further one has its own.
+        # The first suggestion has suggestion_timeout in all, stand-ins for a dropped greedy
+        # answer included; each further one has its own.
         first_deadline = time.monotonic() + self.suggestion_timeout
         await self._settle(ctx)
-        for attempt in range(wanted + 2):
-            if len(seen) >= wanted:
+        first: Candidate | None = None
+        busy = False
+        for attempt in range(3):
+            limit = first_deadline - time.monotonic()
+            if limit <= 0.05:
+                dropped.append(f"no answer within {self.suggestion_timeout:g} s")
                 break
-            limit = self.suggestion_timeout
-            if not seen:
-                limit = first_deadline - time.monotonic()
-                if limit <= 0.05:
-                    dropped.append(f"no answer within {self.suggestion_timeout:g} s")
-                    break
             temperature = self.temperature if attempt == 0 else self.sample_temperature
-            text, sent, index = "", 0, len(seen)
-            job = Completion(
-                prompt, stops, self.max_tokens, temperature, self.seed + attempt, time_limit=limit
+            job = Completion.of(
+                prompt, self.max_tokens, temperature, self.seed + attempt, time_limit=limit
             )
-            timed_out = self.timed_out
-            async for piece in self._complete(job):
+            status: dict[str, bool] = {}
+            text, sent = "", 0
+            async for piece in self._complete(job, status):
                 text += piece
-                if attempt == 0 and index == 0 and not hold_back(text, previous):
+                if attempt == 0 and not hold_back(text, previous):
                     yield NextCellChunk(index=0, text=text[sent:])
                     sent = len(text)
-            key = text.strip()
             why = degenerate_reason(text, previous)
-            if self.timed_out > timed_out and not text.strip():
+            if status.get("timed_out") and not text.strip():
                 why = f"no answer within {self.suggestion_timeout:g} s (suggestion_timeout)"
-            if why is not None or key in seen:
-                dropped.append(why or "a repeat of a suggestion above")
-                if sent:  # streamed already (cannot happen for a degenerate one): close it
-                    yield NextCellChunk(index=index, text="", done=True)
-                    seen.add(key)
-                if self.timed_out > timed_out and seen:
-                    break
-                continue
-            seen.add(key)
-            yield NextCellChunk(index=index, text=text[sent:], done=True)
-            if self.timed_out > timed_out:
-                break  # the machine is too busy for more: no further attempts
-        if not seen:
+            if why is None or sent:  # (one streamed already cannot turn out degenerate)
+                first = Candidate(text, "greedy" if attempt == 0 else "sampled")
+                yield NextCellChunk(index=0, text=text[sent:], done=True)
+                busy = bool(status.get("timed_out"))
+                break
+            dropped.append(why)
+            if status.get("timed_out"):
+                busy = True
+                break
+        if first is not None and wanted == 1:
+            return
+        candidates = [first] if first is not None else []
+        for attempt in range(3, 3 + (0 if busy else wanted - 1)):
+            job = Completion.of(
+                prompt, self.max_tokens, self.sample_temperature, self.seed + attempt
+            )
+            status = {}
+            text = "".join([piece async for piece in self._complete(job, status)])
+            candidates.append(Candidate(text, "sampled"))
+            if status.get("timed_out"):
+                break  # the machine is too busy for more
+        candidates += await self._retrieved(ctx, wanted)
+        ranked = rank(candidates, previous)
+        start = 0
+        if first is not None:
+            key = normalized(first.text)
+            top = next((c for c in ranked if normalized(c.text) == key), None)
+            yield NextCellChunk(index=0, text="", score=top.score if top else 0.0)
+            ranked = [c for c in ranked if c is not top]
+            start = 1
+        for i, c in enumerate(with_each_source(ranked, wanted - start)):
+            yield NextCellChunk(
+                index=start + i,
+                text=c.text,
+                done=True,
+                score=c.score,
+                metadata={"source": c.source},
+            )
+        if first is None and not ranked:
             reasons = ", ".join(sorted(set(dropped))) or "nothing"
             raise NoPrediction(f"the {self.name} model suggested nothing worth showing ({reasons})")
+
+    async def _retrieved(self, ctx: PredictionContext, n: int) -> list[Candidate]:
+        """Cells the `retrieval` backend finds in the recorded history, as candidates."""
+        if self._retrieval is None:
+            from .retrieval import RetrievalPredictor
+
+            self._retrieval = RetrievalPredictor(self.config.get("retrieval") or {}, self.env)
+        try:
+            found = [c async for c in self._retrieval.predict_next_cell(ctx, n=n)]
+        except NoPrediction:
+            return []
+        return [Candidate(c.text, "retrieved") for c in found]
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         if not (ctx.target_source or "").strip():
             raise NoPrediction("there is no cell source to predict the output of")
-        prompt, stops = completion_prompt(ctx, "output")
+        job = Completion.of(output_prompt(ctx), self.output_max_tokens, self.temperature, self.seed)
         got = False
-        job = Completion(prompt, stops, self.output_max_tokens, self.temperature, self.seed)
         async for text in self._complete(job):
             got = True
             yield OutputChunk(text=text)
@@ -375,10 +472,9 @@ class LocalModelPredictor(Predictor):
         model = await self._model()
         next_ctx: PredictionContext | None = ctx
         while next_ctx is not None:
-            prompt, _ = completion_prompt(next_ctx, "next-cell")
-            task = asyncio.ensure_future(
-                asyncio.to_thread(self.prefill, model, Completion(prompt, max_tokens=1))
-            )
+            prompt = next_cell_prompt(next_ctx, self.prompt_options, self._fim(model))
+            job = Completion.of(prompt, max_tokens=1)
+            task = asyncio.ensure_future(asyncio.to_thread(self.prefill, model, job))
             self._warming[key] = task
             try:
                 await asyncio.shield(task)

@@ -173,7 +173,8 @@ class AnswerBounds:
         return sum(1 for old in recent if old == line) >= self.max_repeats
 
 
-def _normalized(text: str) -> str:
+def normalized(text: str) -> str:
+    """The text as compared for duplicates: trailing spaces and blank edges dropped."""
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
@@ -192,7 +193,7 @@ def degenerate_reason(text: str, previous: str | None) -> str | None:
     """
     if not code_lines(text):
         return "only comments or blank lines"
-    if previous is not None and _normalized(text) == _normalized(previous):
+    if previous is not None and normalized(text) == normalized(previous):
         return "the previous cell again"
     return None
 
@@ -207,5 +208,5 @@ def hold_back(text: str, previous: str | None) -> bool:
         return True
     if previous is None:
         return False
-    got, prev = _normalized(text), _normalized(previous)
+    got, prev = normalized(text), normalized(previous)
     return bool(prev) and prev.startswith(got)

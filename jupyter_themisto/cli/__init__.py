@@ -18,6 +18,8 @@ from ._common import CliError
 __all__ = ["CliError", "main"]
 
 PROG = "jupyter-themisto"
+# What the `eval` extra brings (export to Parquet, evaluate's metrics and plot).
+EVAL_MODULES = ("sacrebleu", "rouge_score", "pandas", "pyarrow", "matplotlib")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.status
+    except ModuleNotFoundError as e:
+        # The research tools' packages are an extra, kept out of kernel environments.
+        if (e.name or "").split(".")[0] not in EVAL_MODULES:
+            raise
+        print(
+            f"{PROG}: error: `{args.command}` needs {e.name}, which comes with the eval extra: "
+            "pip install 'jupyter-themisto[eval]'",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

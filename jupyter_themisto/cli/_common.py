@@ -134,3 +134,10 @@ def one_line(text: str, limit: int = 60) -> str:
     """Text squeezed onto one line, cut to `limit` characters."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def notebook_cell_id(cell: Any, position: int) -> str:
+    """A cell's nbformat id, or for a notebook older than nbformat 4.5 (no ids) one made from
+    its position, the same for `record` (which sends it with each execution) and `export`
+    (which matches the notebook's cells to the executions by it)."""
+    return str(cell.get("id") or f"position-{position}")

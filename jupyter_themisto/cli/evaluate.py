@@ -2,13 +2,14 @@
 
 Runs the backend over the dump's task instances (the context of each is built from the dump's
 execution rows with jupyter_themisto.context.build_context, with or without the runtime
-summary) and scores every prediction (jupyter_themisto.metrics). In --out DIR (default
-DUMP/evaluation) it writes, per run (task × backend × with/without runtime):
-`<task>__<backend>__<runtime>.jsonl`, one line per example, appended and flushed as each one
-finishes, so an interrupted run resumes where it stopped (examples already scored are
-skipped; failed ones are retried). After each run it rewrites, from all the runs in DIR,
-`summary.json`, `results.md` (a Markdown table) and `results.png` (each metric per run, with
-and without runtime side by side).
+summary; with --setting live also from the notebook's cells, as the browser sends them: the
+markdown above the target cell and the cells below it) and scores every prediction
+(jupyter_themisto.metrics). In --out DIR (default DUMP/evaluation) it writes, per run (task ×
+backend × with/without runtime × setting): `<task>__<backend>__<runtime>[__live].jsonl`, one
+line per example, appended and flushed as each one finishes, so an interrupted run resumes
+where it stopped (examples already scored are skipped; failed ones are retried). After each
+run it rewrites, from all the runs in DIR, `summary.json`, `results.md` (a Markdown table)
+and `results.png` (each metric per run, with and without runtime side by side).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..context import build_context
 from ._common import CliError, atomic_file, progress, write_json
 
 TASKS = ("next-cell", "output")
+SETTINGS = ("trajectory", "live")
 _TASK_TABLE = {"next-cell": "next_cell", "output": "output"}
 _METRIC_LABELS = {
     "exact_match": "EM",
@@ -68,6 +70,14 @@ def add_parsers(sub: Any) -> None:
         dest="with_runtime",
         action="store_false",
         help="cells and outputs only, no variables",
+    )
+    p.add_argument(
+        "--setting",
+        choices=SETTINGS,
+        default="trajectory",
+        help="trajectory (default): the executions before the target only; live: also the "
+        "notebook's cells as the browser sends them (markdown above, cells below; needs a dump "
+        "with notebook_cells)",
     )
     p.add_argument("--limit", type=int, default=None, metavar="N", help="first N instances only")
     p.add_argument(
@@ -144,13 +154,39 @@ def read_table(dump: Path, manifest: dict[str, Any], name: str) -> list[dict[str
 class DumpContexts:
     """Builds the prediction context of a task instance from the dump's execution rows."""
 
-    def __init__(self, executions: list[dict[str, Any]], token_budget: int | None) -> None:
+    def __init__(
+        self,
+        executions: list[dict[str, Any]],
+        token_budget: int | None,
+        notebook_cells: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.by_trajectory: dict[str, list[dict[str, Any]]] = {}
         for r in executions:
             self.by_trajectory.setdefault(r["trajectory_id"], []).append(r)
         for rows in self.by_trajectory.values():
             rows.sort(key=lambda r: r["order_index"])
         self.token_budget = token_budget
+        #: live setting: each trajectory's notebook cells in notebook order (None: trajectory)
+        self.notebooks: dict[str, list[dict[str, Any]]] | None = None
+        if notebook_cells is not None:
+            self.notebooks = {}
+            for c in sorted(notebook_cells, key=lambda c: c["position"]):
+                cell = {"id": c.get("cell_id"), "cell_type": c["cell_type"], "source": c["source"]}
+                self.notebooks.setdefault(c["trajectory_id"], []).append(cell)
+
+    def around(
+        self, instance: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+        """(cells above, cells below) the instance's cell in its notebook, as the browser sends
+        them; (None, None) in the trajectory setting or when the cell is not in the notebook."""
+        if self.notebooks is None:
+            return None, None
+        cells = self.notebooks.get(instance["trajectory_id"], [])
+        cid = instance.get("cell_id")
+        at = next((i for i, c in enumerate(cells) if cid and c["id"] == cid), None)
+        if at is None:
+            return None, None
+        return cells[:at], cells[at + 1 :]
 
     def prior(self, instance: dict[str, Any]) -> list[dict[str, Any]]:
         rows = self.by_trajectory.get(instance["trajectory_id"], [])
@@ -165,6 +201,7 @@ class DumpContexts:
                 "status": r["status"],
                 "execution_count": r.get("execution_count"),
                 "order_index": r["order_index"],
+                "cell_id": r.get("cell_id"),
             }
             for r in prior
         ]
@@ -187,10 +224,13 @@ class DumpContexts:
                         for v in r["variables"]
                     ]
                     break
+        above, below = self.around(instance)
         return build_context(
             executions,
             variables,
             with_runtime=with_runtime,
+            notebook_cells=above,
+            cells_below=below if instance["task"] == "next-cell" else None,
             target_source=instance.get("source") or None if instance["task"] == "output" else None,
             variable_changes=changes,
             token_budget=self.token_budget,
@@ -262,8 +302,9 @@ def parse_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def run_name(task: str, backend: str, with_runtime: bool) -> str:
-    return f"{task}__{backend}__{'with' if with_runtime else 'without'}-runtime"
+def run_name(task: str, backend: str, with_runtime: bool, setting: str = "trajectory") -> str:
+    name = f"{task}__{backend}__{'with' if with_runtime else 'without'}-runtime"
+    return name if setting == "trajectory" else f"{name}__{setting}"
 
 
 def _open_results(path: Path) -> dict[str, dict[str, Any]]:
@@ -364,6 +405,7 @@ def summarize_run(path: Path) -> dict[str, Any] | None:
         "task": first.get("task"),
         "backend": first.get("backend"),
         "with_runtime": first.get("with_runtime"),
+        "setting": first.get("setting", "trajectory"),
         "dump": first.get("dump"),
         "n": len(rows),
         "n_scored": len(scored),
@@ -400,16 +442,17 @@ def _fmt(v: Any) -> str:
 
 def markdown_table(runs: dict[str, Any]) -> str:
     keys = list(_METRIC_LABELS)
-    head = "| task | backend | runtime | n | errors | " + " | ".join(
+    head = "| task | backend | runtime | setting | n | errors | " + " | ".join(
         _METRIC_LABELS[k] for k in keys
     )
-    lines = [head + " |", "|" + "---|" * (5 + len(keys))]
+    lines = [head + " |", "|" + "---|" * (6 + len(keys))]
     for s in runs.values():
         m = s["metrics"]
         cells = [
             s["task"],
             s["backend"],
             "with" if s["with_runtime"] else "without",
+            s.get("setting", "trajectory"),
             str(s["n"]),
             str(s["n_errors"]),
         ] + [_fmt(m.get(k)) for k in keys]
@@ -430,14 +473,15 @@ def plot(runs: dict[str, Any], path: Path) -> None:
     for ax, task in zip(axes, tasks, strict=False):
         mine = sorted(
             (s for s in runs.values() if s["task"] == task),
-            key=lambda s: (s["backend"], not s["with_runtime"]),
+            key=lambda s: (s["backend"], s.get("setting", ""), not s["with_runtime"]),
         )
         keys = [k for k in _METRIC_LABELS if any(s["metrics"].get(k) is not None for s in mine)]
         width = 0.8 / max(1, len(mine))
         for j, s in enumerate(mine):
             xs = [i + (j - (len(mine) - 1) / 2) * width for i in range(len(keys))]
             ys = [s["metrics"].get(k) or 0.0 for k in keys]
-            label = f"{s['backend']} ({'with' if s['with_runtime'] else 'without'} runtime)"
+            label = f"{s['backend']} ({'with' if s['with_runtime'] else 'without'} runtime"
+            label += ", live)" if s.get("setting") == "live" else ")"
             ax.bar(xs, ys, width, label=label, hatch="" if s["with_runtime"] else "//")
         ax.set_xticks(range(len(keys)), [_METRIC_LABELS[k] for k in keys])
         ax.set_ylim(0, 1)
@@ -462,6 +506,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if not executions or not instances:
         raise CliError(f"the dump {dump} has no {args.task} instances to evaluate")
     instances = [i for i in instances if i["n_context"] >= args.min_context]
+    notebook_cells = None
+    if args.setting == "live":
+        if "notebook_cells" not in manifest["files"]:
+            raise CliError(
+                f"the dump {dump} has no notebook_cells table (export it again with this "
+                "version) for --setting live"
+            )
+        notebook_cells = read_table(dump, manifest, "notebook_cells")
     if args.limit is not None:
         instances = instances[: max(0, args.limit)]
     out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"
@@ -479,17 +531,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if args.task not in getattr(backend, "tasks", TASKS):
             raise CliError(f"backend {args.backend!r} does not predict {args.task}")
         out_dir.mkdir(parents=True, exist_ok=True)
-        name = run_name(args.task, args.backend, args.with_runtime)
+        name = run_name(args.task, args.backend, args.with_runtime, args.setting)
         out_file = out_dir / f"{name}.jsonl"
         done = {k for k, r in _open_results(out_file).items() if "error" not in r}
         todo = [i for i in instances if i["id"] not in done]
         if len(todo) < len(instances):
             print(f"resuming {name}: {len(instances) - len(todo)} of {len(instances)} done")
-        contexts = DumpContexts(executions, args.token_budget)
+        contexts = DumpContexts(executions, args.token_budget, notebook_cells)
         meta = {
             "task": args.task,
             "backend": args.backend,
             "with_runtime": args.with_runtime,
+            "setting": args.setting,
             "dump": str(dump),
         }
         errors = asyncio.run(

@@ -23,7 +23,7 @@ from typing import Any
 from .. import redaction
 from .._version import __version__
 from ..context import outputs_to_text
-from ._common import CliError, atomic_dir, open_store, progress, write_json
+from ._common import CliError, atomic_dir, notebook_cell_id, open_store, progress, write_json
 from .listing import resolve_trajectory
 
 DUMP_VERSION = 1
@@ -109,6 +109,14 @@ TRAJECTORY_FIELDS: list[tuple[str, Any, str, str]] = [
     ("packages", "string", "string", "JSON object: package name -> version"),
     ("host", "string", "string", "JSON object: hostname, platform, cpus, memory"),
     ("n_executions", "integer", "int64", "executions in the trajectory"),
+]
+
+NOTEBOOK_CELL_FIELDS: list[tuple[str, Any, str, str]] = [
+    ("trajectory_id", "string", "string", "the trajectory whose notebook holds the cell"),
+    ("position", "integer", "int64", "the cell's place in the notebook (0: the first)"),
+    ("cell_id", ["string", "null"], "string", "nbformat cell id (executions name it as cell_id)"),
+    ("cell_type", "string", "string", "code | markdown | raw"),
+    ("source", "string", "string", "the cell's text as the notebook file holds it"),
 ]
 
 TASK_FIELDS: list[tuple[str, Any, str, str]] = [
@@ -285,6 +293,34 @@ def execution_rows(
         yield row
 
 
+def notebook_cell_rows(trajectory: dict[str, Any], pattern: str | None) -> list[dict[str, Any]]:
+    """The cells of a trajectory's notebook file (what the browser has beside the executions),
+    redacted; none when the file is gone or unreadable (the live setting then lacks them)."""
+    import nbformat
+
+    path = trajectory.get("notebook_path")
+    if not path or not Path(path).is_file():
+        return []
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception:  # noqa: BLE001 - any unreadable notebook just has no cells to offer
+        return []
+    rows = []
+    for position, cell in enumerate(nb.cells):
+        source = cell.get("source") or ""
+        source = "".join(source) if isinstance(source, list) else str(source)
+        rows.append(
+            {
+                "trajectory_id": trajectory["id"],
+                "position": position,
+                "cell_id": notebook_cell_id(cell, position),
+                "cell_type": str(cell.get("cell_type") or "code"),
+                "source": redaction.redact_source(source, pattern),
+            }
+        )
+    return rows
+
+
 def task_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(next-cell, output) instances of one trajectory's rows (in order).
 
@@ -424,6 +460,9 @@ def export_dump(
             "trajectories": _TableWriter(tmp, "trajectories", fmt, TRAJECTORY_FIELDS, shard_rows),
             "next_cell": _TableWriter(tmp, "next_cell", fmt, TASK_FIELDS, shard_rows),
             "output": _TableWriter(tmp, "output", fmt, TASK_FIELDS, shard_rows),
+            "notebook_cells": _TableWriter(
+                tmp, "notebook_cells", fmt, NOTEBOOK_CELL_FIELDS, shard_rows
+            ),
         }
         blobs: set[str] = set()
         bar = progress(total, "export", unit="exec")
@@ -450,6 +489,8 @@ def export_dump(
                         blobs.update(row["output_blobs"])
                         blobs.update(v["blob_hash"] for v in row["variables"] if v["blob_hash"])
                     bar.update(1)
+                for r in notebook_cell_rows(t, pattern):
+                    writers["notebook_cells"].write(r)
                 next_cell, output = task_rows(rows)
                 for r in next_cell:
                     writers["next_cell"].write(r)
@@ -482,6 +523,7 @@ def export_dump(
                 "executions": writers["executions"].count,
                 "next_cell": writers["next_cell"].count,
                 "output": writers["output"].count,
+                "notebook_cells": writers["notebook_cells"].count,
                 "blobs": len(blobs) - missing,
                 "missing_blobs": missing,
             },
@@ -499,6 +541,7 @@ def export_dump(
                     "trajectories": json_schema(TRAJECTORY_FIELDS, "trajectory"),
                     "next_cell": json_schema(TASK_FIELDS, "next-cell instance"),
                     "output": json_schema(TASK_FIELDS, "output instance"),
+                    "notebook_cells": json_schema(NOTEBOOK_CELL_FIELDS, "notebook cell"),
                 },
             },
         )
@@ -551,6 +594,7 @@ snapshots `{manifest["snapshots"]}`.
 | trajectories | {c["trajectories"]} | `{pattern.format(name="trajectories")}` |
 | next_cell | {c["next_cell"]} | `{pattern.format(name="next_cell")}` |
 | output | {c["output"]} | `{pattern.format(name="output")}` |
+| notebook_cells | {c.get("notebook_cells", 0)} | `{pattern.format(name="notebook_cells")}` |
 
 Blobs written: {c["blobs"]} (missing from the store: {c["missing_blobs"]}).
 
@@ -569,6 +613,11 @@ Blobs written: {c["blobs"]} (missing from the store: {c["missing_blobs"]}).
 - **output**: given the same context and the cell's `source`, predict its text output
   (`target`: streams, `text/plain` results and `Ename: evalue` lines of errors, as in
   `output_text`). Executions without text output are left out, as in Themisto.
+
+The **live setting** (`evaluate --setting live`) adds what the browser sends at the moment
+of the prediction, from `notebook_cells` (the notebook file's cells, as the trajectory's
+executions name them by `cell_id`): the markdown cells above the target cell and the cells
+below it. Trajectories whose notebook file was gone at export time have no such rows.
 
 `jupyter themisto evaluate DIR --backend NAME --task next-cell|output` scores a backend on
 them (exact match after whitespace normalization, ROUGE-L, chrF, BLEU, and for next-cell
@@ -596,6 +645,10 @@ Each element of `variables`:
 ## next_cell and output
 
 {_field_table(TASK_FIELDS)}
+
+## notebook_cells
+
+{_field_table(NOTEBOOK_CELL_FIELDS)}
 
 ## Secrets
 

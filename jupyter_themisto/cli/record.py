@@ -20,7 +20,7 @@ from typing import Any
 
 from jupyter_core.utils import ensure_async
 
-from ._common import CliError, progress, store_path
+from ._common import CliError, notebook_cell_id, progress, store_path
 
 # Silent executes fire no pre/post_run_cell, so none of this is recorded; the expressions bind
 # no names, so nothing of ours shows up in the person's namespace or its snapshots.
@@ -210,7 +210,7 @@ def record_notebook(
                 tid = await _query(client, _TRAJECTORY)
                 trajectory_id = tid.strip("'\"") if tid and tid != "None" else None
                 for index, cell in code_cells:
-                    current["cell_id"] = cell.get("id")
+                    current["cell_id"] = notebook_cell_id(cell, index)
                     try:
                         await client.async_execute_cell(cell, index)
                     except CellTimeoutError:

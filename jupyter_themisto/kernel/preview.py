@@ -1,18 +1,22 @@
 """Runs a cell speculatively in an isolated fork of the kernel and returns what it would show.
 
 The server calls `run_preview(source)` through a silent execute_request's user_expressions.
-The kernel forks a monitor, which enters new namespaces and forks the preview's first process
-into them (see `sandbox`). That process isolates itself — private copy-on-write root, no
-descriptor shared with the kernel but the reply pipe, no capability, Landlock, seccomp — runs the
-cell against its copy-on-write namespace with IPython-like semantics (streams, displays, the last
-expression's execute_result formatted by the shell's own display formatter), sends the outputs
-back as JSON and leaves with os._exit. The kernel reads the reply within bounds of time, bytes
-and memory, and has the monitor kill the whole namespace at the end, whatever it is doing.
+A kernel that may create namespaces (root) forks the preview's first process straight into new
+ones (`sandbox.fork_into_namespaces`); any other kernel forks a monitor, which enters a user
+namespace and the others and forks the first process into them. That process isolates itself —
+private copy-on-write root, no descriptor shared with the kernel but the reply pipe, no
+capability, Landlock, seccomp — runs the cell against its copy-on-write namespace as the kernel
+would (streams interleaved as ipykernel publishes them, displays, the last expression's
+execute_result formatted by the shell's own display formatter, the input history, the state of
+`random`), sends the outputs back as JSON and leaves with os._exit. The kernel reads the reply
+within bounds of time, bytes and memory, and kills the whole namespace at the end, whatever it is
+doing.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import errno
 import gc
 import io
@@ -26,6 +30,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from . import sandbox
@@ -42,6 +47,9 @@ MAX_REPLY = MAX_PAYLOAD + 2**16
 REPLY_END = b"\n\x04"
 #: how often the kernel checks the child's memory while it runs (seconds)
 MEMORY_POLL = 0.02
+#: ipykernel's OutStream.flush_interval (the kernel's own streams' value is used where they have
+#: one): what a stream buffers becomes an output this long after the first write
+FLUSH_INTERVAL = 0.2
 
 
 class PreviewReply(dict):
@@ -55,17 +63,92 @@ class PreviewReply(dict):
         return f"<preview: {len(self.get('outputs', []))} outputs, stopped={self.get('stopped')}>"
 
 
-class _Capture(io.TextIOBase):
-    """A stream (stdout or stderr) that appends to the preview's output list. Past MAX_PAYLOAD
-    characters in all it stops the preview (the kernel would read no more)."""
+class _Outputs:
+    """The preview's outputs as the notebook would receive them from ipykernel: each stream
+    buffers what is written and publishes it FLUSH_INTERVAL after the first write, when flushed,
+    and before a display, a result or an error (stdout first, then stderr); a clear_output with
+    wait waits for the next output. So stdout and stderr interleave as in the real run. Past
+    MAX_PAYLOAD characters of streams in all it stops the preview (the kernel would read no
+    more)."""
 
-    total = 0
+    def __init__(self, stopped: list[str], intervals: dict[str, float]) -> None:
+        self.list: list[dict[str, Any]] = []
+        self.stopped = stopped
+        self.intervals = intervals
+        self.total = 0
+        self.pending: dict[str, list[str]] = {}
+        self.since: dict[str, float] = {}
+        self.clear_waiting = False
 
-    def __init__(self, name: str, outputs: list[dict[str, Any]], stopped: list[str]):
+    def write(self, name: str, s: str) -> None:
+        self.total += len(s)
+        if self.total > MAX_PAYLOAD:
+            what = f"show more than {MAX_PAYLOAD >> 20} MB of output"
+            self.stopped.append(what)
+            raise sandbox.PreviewStopped(f"preview stopped: the cell would {what}")
+        now = time.monotonic()
+        self._due(now)
+        parts = self.pending.get(name)
+        if not parts:
+            self.pending[name] = parts = []
+            self.since[name] = now
+        parts.append(s)
+
+    def _due(self, now: float) -> None:
+        for name in sorted(self.since, key=self.since.__getitem__):
+            if now - self.since[name] >= self.intervals.get(name, FLUSH_INTERVAL):
+                self.flush(name)
+
+    def flush(self, name: str) -> None:
+        parts = self.pending.pop(name, None)
+        self.since.pop(name, None)
+        if not parts:
+            return
+        self._clear_if_waiting()
+        last = self.list[-1] if self.list else None
+        if last is not None and last["output_type"] == "stream" and last["name"] == name:
+            last["text"].extend(parts)  # (the notebook shows them as one output)
+        else:
+            self.list.append({"output_type": "stream", "name": name, "text": parts})
+
+    def flush_streams(self) -> None:
+        self._due(time.monotonic())
+        self.flush("stdout")
+        self.flush("stderr")
+
+    def add(self, output: dict[str, Any]) -> None:
+        self.flush_streams()
+        self._clear_if_waiting()
+        self.list.append(output)
+
+    def clear(self, wait: bool = False) -> None:
+        self.flush_streams()
+        if wait:
+            self.clear_waiting = True
+        else:
+            self.list.clear()
+
+    def _clear_if_waiting(self) -> None:
+        if self.clear_waiting:
+            self.clear_waiting = False
+            self.list.clear()
+
+    def finish(self) -> list[dict[str, Any]]:
+        self.flush_streams()
+        for out in self.list:
+            if out["output_type"] == "stream":
+                out["text"] = "".join(out["text"])
+        return self.list
+
+
+class _Stream(io.TextIOBase):
+    """sys.stdout or sys.stderr in the preview (see `_Outputs`)."""
+
+    encoding = "UTF-8"  # (as ipykernel's OutStream)
+
+    def __init__(self, name: str, outputs: _Outputs):
         self.name = name
         self._outputs = outputs
-        self._stopped = stopped
-        self._parts: list[str] | None = None  # of the last output, while it is this stream's
 
     def writable(self) -> bool:
         return True
@@ -76,27 +159,12 @@ class _Capture(io.TextIOBase):
     def write(self, s: str) -> int:
         if not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        if not s:
-            return 0
-        _Capture.total += len(s)
-        if _Capture.total > MAX_PAYLOAD:
-            what = f"show more than {MAX_PAYLOAD >> 20} MB of output"
-            self._stopped.append(what)
-            raise sandbox.PreviewStopped(f"preview stopped: the cell would {what}")
-        last = self._outputs[-1] if self._outputs else None
-        parts = self._parts
-        if parts is not None and last is not None and id(last.get("text")) == id(parts):
-            parts.append(s)  # (the same stream's output, not cleared, nothing in between)
-        else:
-            self._parts = [s]
-            self._outputs.append({"output_type": "stream", "name": self.name, "text": self._parts})
+        if s:
+            self._outputs.write(self.name, s)
         return len(s)
 
-
-def _join_streams(outputs: list[dict[str, Any]]) -> None:
-    for out in outputs:
-        if out.get("output_type") == "stream" and isinstance(out.get("text"), list):
-            out["text"] = "".join(out["text"])
+    def flush(self) -> None:
+        self._outputs.flush(self.name)
 
 
 def _jsonable(data: dict[str, Any]) -> dict[str, Any]:
@@ -120,9 +188,25 @@ def _semicolon_quiet(shell: Any, source: str) -> bool:
     return source.rstrip().endswith(";")
 
 
-def _run_cell(shell: Any, source: str, outputs: list[dict[str, Any]]) -> None:
+def _store_input(shell: Any, cell: str, source: str) -> None:
+    """What IPython does with a cell's input before running it (the preview's copy of it): the
+    input history (`In`, `_ih`) and `_i`, `_ii`, `_iii`, `_i<n>`."""
+    hm = getattr(shell, "history_manager", None)
+    if hm is None:
+        return
+    try:
+        hm.input_hist_parsed.append(cell)
+        hm.input_hist_raw.append(source)
+        hm._iii, hm._ii, hm._i, hm._i00 = hm._ii, hm._i, hm._i00, source
+        n = shell.execution_count
+        shell.push({"_i": hm._i, "_ii": hm._ii, "_iii": hm._iii, f"_i{n}": source}, False)
+    except Exception:
+        pass
+
+
+def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
     """Run `source` in the shell's namespace as IPython would show it (without its hooks,
-    history or execution counter: those belong to the real kernel)."""
+    history database or execution counter: those belong to the real kernel)."""
     cell = shell.transform_cell(source)
     try:  # tracebacks then show the cell's lines, as IPython's do ("Cell In[n], line k")
         filename = shell.compile.cache(cell, shell.execution_count, raw_code=source)
@@ -137,6 +221,7 @@ def _run_cell(shell: Any, source: str, outputs: list[dict[str, Any]]) -> None:
     code = compile(tree, filename, "exec", flags=flags)
     if code.co_flags & 0x80:  # CO_COROUTINE: top-level await needs the kernel's event loop
         raise NotImplementedError("cells with top-level await are not previewed")
+    _store_input(shell, cell, source)
     exec(code, ns)
     value = None
     if last is not None:
@@ -146,16 +231,14 @@ def _run_cell(shell: Any, source: str, outputs: list[dict[str, Any]]) -> None:
         value = eval(expr, ns)
     if value is not None and not _semicolon_quiet(shell, cell):
         data, metadata = shell.display_formatter.format(value)
-        outputs.append(
+        outputs.add(
             {
                 "output_type": "execute_result",
                 "data": _jsonable(data),
                 "metadata": _jsonable(metadata),
-                "execution_count": None,
+                "execution_count": shell.execution_count,
             }
         )
-    # After the result, as the inline backend shows figures after the cell (post_execute).
-    _flush_inline_figures()
 
 
 def _flush_inline_figures() -> None:
@@ -190,6 +273,37 @@ def _error_output(shell: Any, exc: BaseException) -> dict[str, Any]:
     }
 
 
+class _KernelState:
+    """What the child must take over from the kernel as it was just before the fork."""
+
+    def __init__(self) -> None:
+        compiler = sys.modules.get("ipykernel.compiler")
+        #: the kernel's folder of cell files (its name holds the kernel's pid)
+        self.cell_dir = compiler.get_tmp_directory() if compiler is not None else None
+        random = sys.modules.get("random")
+        # (`random` reseeds itself in a forked child: the cell's numbers would not be the
+        # kernel's)
+        self.random = random.getstate() if random is not None else None
+        self.flush_intervals = {}
+        for name in ("stdout", "stderr"):
+            interval = getattr(getattr(sys, name), "flush_interval", None)
+            if isinstance(interval, (int, float)):
+                self.flush_intervals[name] = float(interval)
+
+    def restore(self) -> None:
+        if self.random is not None:
+            import random
+
+            random.setstate(self.random)
+        if self.cell_dir is not None:
+            # The cell's file name is the kernel's (it holds the kernel's pid: in tracebacks and
+            # warnings), not one with this process's pid (1).
+            compiler = sys.modules.get("ipykernel.compiler")
+            if compiler is not None:
+                cell_dir = self.cell_dir
+                compiler.get_tmp_directory = lambda: cell_dir  # type: ignore[attr-defined]
+
+
 def _child(
     shell: Any,
     source: str,
@@ -198,22 +312,30 @@ def _child(
     cpu_seconds: int,
     programs: dict,
     times: dict[str, float],
-    cell_dir: str | None,
+    kernel: _KernelState,
+    direct: bool,
 ) -> None:
     """The preview's first process (PID 1 of its namespace): isolate, tell the kernel, run the
     cell, send the outputs back. Never returns."""
     reply: dict[str, Any] = {"outputs": [], "stopped": [], "sandbox": {}, "status": "ok"}
-    outputs: list[dict[str, Any]] = reply["outputs"]
+    stopped: list[str] = reply["stopped"]
+    outputs = _Outputs(stopped, kernel.flush_intervals)
     try:
         started = time.perf_counter()
+        gc.freeze()  # the kernel's objects: no collection here touches (copies) their pages
         try:
             signal.set_wakeup_fd(-1)  # the kernel's event loop owns the wakeup fd
         except Exception:
             pass
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        kernel.restore()
         try:
             iso = sandbox.isolate(
-                keep={wfd}, memory_mb=memory_mb, cpu_seconds=cpu_seconds, programs=programs
+                keep={wfd},
+                memory_mb=memory_mb,
+                cpu_seconds=cpu_seconds,
+                programs=programs,
+                direct=direct,
             )
         except sandbox.Unavailable as e:
             # The cell never runs where a layer is missing.
@@ -226,20 +348,14 @@ def _child(
         reply["times"] = times  # (perf_counter readings: one clock for every process)
         # The header: from here on the kernel counts the whole namespace's memory.
         _send(wfd, {"scratch_fd": iso.scratch_fd}, line=True)
-        if cell_dir is not None:
-            # The cell's file name is the kernel's (it holds the kernel's pid: in tracebacks and
-            # warnings), not one with this process's pid (1).
-            compiler = sys.modules.get("ipykernel.compiler")
-            if compiler is not None:
-                compiler.get_tmp_directory = lambda: cell_dir  # type: ignore[attr-defined]
-        sys.stdout = _Capture("stdout", outputs, reply["stopped"])
-        sys.stderr = _Capture("stderr", outputs, reply["stopped"])
+        sys.stdout = _Stream("stdout", outputs)
+        sys.stderr = _Stream("stderr", outputs)
         pub = shell.display_pub
 
         def publish(
             data: Any, metadata: Any = None, transient: Any = None, update: bool = False, **kw: Any
         ) -> None:
-            outputs.append(
+            outputs.add(
                 {
                     "output_type": "update_display_data" if update else "display_data",
                     "data": _jsonable(dict(data or {})),
@@ -247,40 +363,40 @@ def _child(
                 }
             )
 
-        def clear_output(wait: bool = False) -> None:
-            outputs.clear()
-
         pub.publish = publish
-        pub.clear_output = clear_output
-        stopped: list[str] = reply["stopped"]
+        pub.clear_output = outputs.clear
         sandbox.stub_handles(shell.user_ns, iso.stubbed, stopped)
         sandbox.install_audit_hook(stopped, iso.processes)
         started = time.perf_counter()
         try:
             _run_cell(shell, source, outputs)
+            _flush_inline_figures()  # (after the result, as the inline backend's post_execute)
         except sandbox.PreviewStopped:
             pass
         except NotImplementedError as e:
             reply["status"] = "unsupported"
             reply["detail"] = str(e)
-        except MemoryError as e:
-            stopped.append(f"use more than {memory_mb} MB of memory")
-            outputs.append(_error_output(shell, e))
         except BaseException as e:  # the cell's own error is part of its output
-            if isinstance(e, OSError) and e.errno == errno.EBADF and iso.stubbed:
+            if isinstance(e, MemoryError):
+                stopped.append(f"use more than {memory_mb} MB of memory")
+            elif isinstance(e, OSError) and e.errno == errno.EBADF and iso.stubbed:
                 # A handle on a descriptor the kernel holds (a stub here) was used.
                 stopped.append(
                     "use a descriptor the kernel holds open (a socket, a pipe or a file open "
                     "for writing)"
                 )
-            outputs.append(_error_output(shell, e))
+            try:
+                outputs.add(_error_output(shell, e))
+                _flush_inline_figures()  # (the inline backend shows them after an error too)
+            except sandbox.PreviewStopped:
+                pass
         reply["cell_time"] = time.perf_counter() - started
         times["ran"] = time.perf_counter()
     except BaseException as e:
         reply["status"] = "failed"
         reply["detail"] = f"{type(e).__name__}: {e}"
     try:
-        _join_streams(outputs)
+        reply["outputs"] = outputs.finish()
         data = json.dumps(reply, default=repr).encode()
         if len(data) > MAX_PAYLOAD:
             # Keep the outputs that fit; the kernel would read no more than that anyway.
@@ -310,35 +426,176 @@ def _send(fd: int, message: dict[str, Any], line: bool = False) -> None:
     _write_all(fd, json.dumps(message, default=repr).encode() + (b"\n" if line else b""))
 
 
-def _monitor(
-    shell: Any,
-    source: str,
-    wfd: int,
-    ctl: int,
-    memory_mb: int,
-    cpu_seconds: int,
-    programs: dict,
-    cell_dir: str | None,
-) -> None:
-    """The kernel's direct child: creates the namespaces, forks the preview's first process
-    into them, tells the kernel its pid, answers its questions about memory, and when the kernel
-    closes its end of `ctl` (done, deadline, a bound passed, or the kernel itself gone) kills the
-    whole namespace and reports how that process ended. Runs no user code. Never returns."""
+@contextlib.contextmanager
+def _quiet_fork() -> Iterator[None]:
+    """Python >= 3.12 warns (DeprecationWarning) when a process with threads forks: not the
+    person's business. The filter goes into the list and out again in place — catch_warnings()
+    would make every module forget the warnings it already showed, and the kernel would show
+    them again."""
+    if sys.version_info < (3, 12):
+        yield
+        return
+    entry = ("ignore", None, DeprecationWarning, None, 0)
+    warnings.filters.insert(0, entry)  # type: ignore[attr-defined]
     try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """An interrupt of the kernel (SIGINT) waits until the preview's processes are in the
+    kernel's hands: one raised between the fork and that moment would leave them running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hits: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if hits and callable(previous):
+            previous(signal.SIGINT, hits[0])
+
+
+class _Direct:
+    """The kernel's hold on a preview forked straight into its namespaces: the first process is
+    the kernel's own child (its pid is never another's before the kernel reaps it)."""
+
+    def __init__(self, pid: int, sysv: int) -> None:
+        self.pid: int | None = pid
+        self.refused: str | None = None
+        self._sysv = sysv
+
+    def started(self, until: float) -> None:
+        pass
+
+    def sysv_shared_memory(self) -> int:
+        os.lseek(self._sysv, 0, os.SEEK_SET)
+        data = b""
+        while block := os.read(self._sysv, 1 << 16):
+            data += block
+        return sandbox.sysv_total(data.decode(errors="replace"))
+
+    def finish(self, complete: bool) -> int | None:
+        """Kill the namespace (its first process), and say how that process ended unless the
+        reply was whole (then it is reaped in the background)."""
+        pid = self.pid
+        assert pid is not None
+        os.close(self._sysv)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if complete:
+            threading.Thread(target=_reap, args=(pid,), daemon=True).start()
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            pidfd = None
+        try:
+            if pidfd is not None:
+                select.select([pidfd], [], [], 5.0)
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        if not got:
+            threading.Thread(target=_reap, args=(pid,), daemon=True).start()
+            return None
+        return status
+
+
+class _Monitored:
+    """The kernel's hold on a preview made by a monitor (a kernel that may not create namespaces
+    itself): the monitor tells the first process's pid, answers questions about the IPC
+    namespace's System V memory, kills the namespace when the kernel closes its end of the
+    control socket, and says how the first process ended."""
+
+    def __init__(self, monitor: int, ctl: socket.socket) -> None:
+        self.monitor = monitor
+        self.pid: int | None = None
+        self.refused: str | None = None
+        self._sock = ctl
+        self._ctl = ctl.fileno()
+        self._buffer = b""
+
+    def line(self, until: float) -> str | None:
+        """The monitor's next line ("P pid", "E reason", "S status"); None at `until` or EOF."""
+        while b"\n" not in self._buffer:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return None
+            ready, _, _ = select.select([self._ctl], [], [], remaining)
+            if ready:
+                block = os.read(self._ctl, 4096)
+                if not block:
+                    return None
+                self._buffer += block
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode(errors="replace")
+
+    def started(self, until: float) -> None:
+        first = self.line(until)
+        if first is not None and first.startswith("E "):
+            self.refused = first[2:]
+        elif first is not None and first.startswith("P "):
+            self.pid = int(first[2:])
+
+    def sysv_shared_memory(self) -> int:
+        os.write(self._ctl, b"M\n")
+        line = self.line(time.monotonic() + 0.5)
+        if line and line.startswith("M "):
+            return int(line[2:])
+        return 0
+
+    def finish(self, complete: bool) -> int | None:
+        if complete:
+            # The reply is whole: the namespace's teardown (exits of processes holding the
+            # kernel's memory, copy-on-write) is not worth waiting for.
+            self._sock.close()
+            threading.Thread(target=_reap, args=(self.monitor,), daemon=True).start()
+            return None
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+        status = None
+        if self.pid is not None:
+            until = time.monotonic() + 5
+            while (line := self.line(until)) is not None:
+                if line.startswith("S "):
+                    status = int(line[2:])
+                    break
+        if status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.monitor, signal.SIGKILL)
+        _reap(self.monitor)
+        self._sock.close()
+        return status
+
+
+def _monitor(ctl: int, wfd: int, child: Any) -> None:
+    """The kernel's direct child where the kernel may not create namespaces: enters them,
+    forks the preview's first process into them (`child` runs there), tells the kernel its pid,
+    answers its questions about memory, and when the kernel closes its end of `ctl` (done,
+    deadline, a bound passed, or the kernel itself gone) kills the whole namespace and reports
+    how that process ended. Runs no user code. Never returns."""
+    try:
+        gc.freeze()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the kernel's
         sandbox.prctl(sandbox.PR_SET_PDEATHSIG, signal.SIGKILL)
-        times = {"monitor": time.perf_counter()}
         try:
             sandbox.enter_namespaces()
         except sandbox.Unavailable as e:
             os.write(ctl, f"E preview unavailable: this Linux lacks {e}\n".encode())
             os._exit(0)
-        times["namespaces"] = time.perf_counter()
         pid = os.fork()
         if pid == 0:
-            times["first process"] = time.perf_counter()
             os.close(ctl)
-            _child(shell, source, wfd, memory_mb, cpu_seconds, programs, times, cell_dir)
+            child()
         os.close(wfd)
         os.write(ctl, f"P {pid}\n".encode())
         # Hold nothing of the kernel's while waiting.
@@ -363,34 +620,48 @@ def _monitor(
     os._exit(0)
 
 
-class _Watch:
-    """The kernel's side of one preview: reads the monitor's messages and the reply, bounded in
-    bytes, time and the namespace's memory."""
+def _spawn(wfd: int, rfd: int, child: Any, times: dict[str, float]) -> _Direct | _Monitored:
+    """Fork the preview: straight into its namespaces where the kernel may create them, else
+    through a monitor. `child(direct)` runs in the preview's first process."""
+    with _quiet_fork():
+        try:
+            pid, sysv = sandbox.fork_into_namespaces()
+        except sandbox.Unavailable:
+            pass
+        else:
+            if pid == 0:
+                os.close(rfd)
+                child(True)
+            return _Direct(pid, sysv)
+        ctl_sock, child_sock = socket.socketpair()
+        child_ctl = child_sock.detach()
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(child_ctl)
+            ctl_sock.close()
+            raise
+    if pid == 0:
+        times["monitor"] = time.perf_counter()
+        os.close(rfd)
+        ctl_sock.close()
+        _monitor(child_ctl, wfd, lambda: child(False))
+    os.close(child_ctl)
+    return _Monitored(pid, ctl_sock)
 
-    def __init__(self, ctl: int, rfd: int, deadline: float, memory_mb: int) -> None:
-        self.ctl, self.rfd, self.deadline = ctl, rfd, deadline
+
+class _Watch:
+    """The kernel's side of one preview: reads the reply, bounded in bytes, time and the
+    namespace's memory."""
+
+    def __init__(self, rfd: int, deadline: float, memory_mb: int, spawned: Any) -> None:
+        self.rfd, self.deadline = rfd, deadline
         self.memory = memory_mb * 2**20
-        self.ctl_buffer = b""
+        self.spawned = spawned
         self.reply = bytearray()
         self.header: dict[str, Any] | None = None
-        self.child: int | None = None
         self.killed: str | None = None
         self.complete = False
-
-    def ctl_line(self, until: float) -> str | None:
-        """The monitor's next line ("P pid", "E reason", "S status"); None at `until` or EOF."""
-        while b"\n" not in self.ctl_buffer:
-            remaining = until - time.monotonic()
-            if remaining <= 0:
-                return None
-            ready, _, _ = select.select([self.ctl], [], [], remaining)
-            if ready:
-                block = os.read(self.ctl, 4096)
-                if not block:
-                    return None
-                self.ctl_buffer += block
-        line, _, self.ctl_buffer = self.ctl_buffer.partition(b"\n")
-        return line.decode(errors="replace")
 
     def run(self) -> None:
         """Read the reply until the namespace closes it, or a bound is passed (`killed`)."""
@@ -420,24 +691,16 @@ class _Watch:
                         self.header = {}
                     if not isinstance(self.header, dict):
                         self.header = {}
-            elif self.child is not None:
+            elif self.spawned.pid is not None:
                 scratch = self.header.get("scratch_fd") if self.header else None
                 if not isinstance(scratch, int):
                     scratch = None
-                used = sandbox.namespace_memory(self.child, scratch)
+                used = sandbox.namespace_memory(self.spawned.pid, scratch)
                 if used is not None and scratch is not None:
-                    used += self.sysv_shared_memory()
+                    used += self.spawned.sysv_shared_memory()
                 if used is not None and used > self.memory:
                     self.killed = "memory"
                     return
-
-    def sysv_shared_memory(self) -> int:
-        """The System V shared memory of the preview's IPC namespace, asked of the monitor."""
-        os.write(self.ctl, b"M\n")
-        line = self.ctl_line(time.monotonic() + 0.5)
-        if line and line.startswith("M "):
-            return int(line[2:])
-        return 0
 
 
 def _describe_status(
@@ -507,80 +770,39 @@ def run_preview(
         programs = {p: sandbox.seccomp_program(p) for p in (False, True)}
     except sandbox.Unavailable as e:
         return _unsupported(f"preview unavailable: this Linux lacks {e}")
-    compiler = sys.modules.get("ipykernel.compiler")
-    cell_dir = compiler.get_tmp_directory() if compiler is not None else None
+    kernel = _KernelState()
     t0 = time.perf_counter()
+    times: dict[str, float] = {}
     rfd, wfd = os.pipe()
-    ctl_sock, child_sock = socket.socketpair()
-    ctl, child_ctl = ctl_sock.fileno(), child_sock.detach()
-    # Objects the child does not touch keep sharing their pages (no copy-on-write by the GC).
-    # (Left alone if someone else froze objects: unfreezing would undo theirs.)
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
-            pid = os.fork()
-    except BaseException:
-        if freeze:
-            gc.unfreeze()
-        for fd in (rfd, wfd, child_ctl):
-            os.close(fd)
-        ctl_sock.close()
-        raise
-    if pid == 0:
-        os.close(rfd)
-        os.close(ctl)
-        _monitor(shell, source, wfd, child_ctl, memory_mb, cpu_seconds, programs, cell_dir)
-    if freeze:
-        gc.unfreeze()
-    fork_ms = (time.perf_counter() - t0) * 1000
-    os.close(wfd)
-    os.close(child_ctl)
-    watch = _Watch(ctl, rfd, time.monotonic() + timeout, memory_mb)
+
+    def child(direct: bool) -> None:
+        times["first process"] = time.perf_counter()
+        _child(shell, source, wfd, memory_mb, cpu_seconds, programs, times, kernel, direct)
+
+    spawned: _Direct | _Monitored | None = None
+    watch: _Watch | None = None
     status: int | None = None
-    refused: str | None = None
-    finished = False
     try:
-        first = watch.ctl_line(watch.deadline)
-        if first is None:
-            watch.killed = "timeout" if time.monotonic() >= watch.deadline else None
-        elif first.startswith("E "):
-            refused = first[2:]
-        elif first.startswith("P "):
-            watch.child = int(first[2:])
+        try:
+            with _interrupts_deferred():
+                spawned = _spawn(wfd, rfd, child, times)
+        finally:
+            os.close(wfd)
+        fork_ms = (time.perf_counter() - t0) * 1000
+        watch = _Watch(rfd, time.monotonic() + timeout, memory_mb, spawned)
+        spawned.started(watch.deadline)
+        if spawned.pid is not None:
             watch.run()
-        finished = True
+        elif spawned.refused is None:
+            watch.killed = "timeout" if time.monotonic() >= watch.deadline else None
     finally:
         os.close(rfd)
-        # Done, past a bound, or the kernel was interrupted while waiting: the monitor kills
-        # the namespace when its end closes, and says how the first process ended.
-        if watch.complete and not watch.killed:
-            # The reply is whole: the namespace's teardown (exits of processes holding the
-            # kernel's memory, copy-on-write) is not worth waiting for.
-            ctl_sock.close()
-            threading.Thread(target=_reap, args=(pid,), daemon=True).start()
-        else:
-            try:
-                ctl_sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            if watch.child is not None:
-                until = time.monotonic() + 5
-                while (line := watch.ctl_line(until)) is not None:
-                    if line.startswith("S "):
-                        status = int(line[2:])
-                        break
-            try:
-                if not finished or watch.child is not None and status is None:
-                    os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            _reap(pid)
-            ctl_sock.close()
-    if refused is not None:
-        return _unsupported(refused, fork_ms=fork_ms)
+        # Done, past a bound, or the kernel was interrupted while waiting: the namespace ends.
+        if spawned is not None:
+            complete = watch is not None and watch.complete and not watch.killed
+            status = spawned.finish(complete)
+    if spawned.refused is not None:
+        return _unsupported(spawned.refused, fork_ms=fork_ms)
     header = watch.header or {}
     if "unavailable" in header:
         return _unsupported(str(header["unavailable"]), fork_ms=fork_ms)
@@ -607,15 +829,15 @@ def run_preview(
         }
     reply["fork_ms"] = fork_ms
     reply["elapsed_ms"] = (time.perf_counter() - t0) * 1000
-    times = reply.pop("times", None)
-    if isinstance(times, dict) and all(isinstance(v, float) for v in times.values()):
+    steps = reply.pop("times", None)
+    if isinstance(steps, dict) and all(isinstance(v, float) for v in steps.values()):
         # How long each step took, from the fork on (ms).
-        steps = ["monitor", "namespaces", "first process", "isolated", "ran"]
         previous, timing = t0, {}
-        for step in steps:
-            if step in times:
-                timing[step] = round((times[step] - previous) * 1000, 2)
-                previous = times[step]
+        for step in ("monitor", "first process", "isolated", "ran"):
+            if step in steps:
+                timing[step] = round((steps[step] - previous) * 1000, 2)
+                previous = steps[step]
         timing["reply"] = round((time.perf_counter() - previous) * 1000, 2)
         reply["timing_ms"] = timing
+        reply["path"] = "monitor" if "monitor" in steps else "direct"
     return PreviewReply(reply)

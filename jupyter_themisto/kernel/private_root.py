@@ -3,12 +3,15 @@ copy-on-write overlay whose upper layer lives on a small tmpfs, a fresh /proc, a
 read-only /sys; then makes it the child's root. What a cell writes there is real for the cell
 (`df.to_csv("x.csv")` then `pd.read_csv("x.csv")`, `!cat x.csv`) and gone when the child exits.
 
-Runs in the child only, as the first process of new user, mount and PID namespaces (see
-`sandbox.enter_namespaces`). The mounts it copies from the kernel's mount namespace are locked
-(they came from a more privileged user namespace): an overlay cannot take a directory with a
-locked mount beneath it as its lower layer, so the tree is built directory by directory — an
-overlay for each directory with no mount beneath it, a skeleton directory (recursed into) for
-the others.
+Runs in the child only, as the first process of new mount and PID namespaces. Two ways:
+- `whole`: the child of a privileged kernel (see `sandbox.fork_into_namespaces`), still in the
+  kernel's user namespace: its copy of the mounts is not locked, so one overlay takes the whole
+  root file system, and one more each other file system mounted in it;
+- otherwise the child is already in a user namespace of its own (`sandbox.enter_namespaces`): the
+  mounts it copied from the kernel's mount namespace are locked (they came from a more privileged
+  user namespace), and an overlay cannot take a directory with a locked mount beneath it as its
+  lower layer, so the tree is built directory by directory — an overlay for each directory with
+  no mount beneath it, a skeleton directory (recursed into) for the others.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ _PSEUDO = {
 }
 #: the devices a computation may use (bound from the kernel's /dev, read-only mounts)
 _DEVICES = ("null", "zero", "full", "random", "urandom")
+#: made afresh in every private root (their mounts in the kernel's tree are not copied)
+_FRESH = ("/proc", "/dev", "/sys")
 #: parts of the fresh /proc that change the whole machine, kept read-only (Landlock refuses
 #: every write under /proc anyway)
 _PROC_READ_ONLY = ("sys", "sysrq-trigger")
@@ -173,6 +178,24 @@ class _Builder:
             f"lowerdir=/proc/self/fd/{lower_fd},upperdir={upper},workdir={work},userxattr",
         )
         self.root.writable.append(new_path)
+
+    def mounted(self, point: str, fd: int, target: str) -> None:
+        """(whole) Show in `target` (a path of the root overlay) the file system the kernel sees
+        mounted at `point` (`fd`: its root, opened before the scratch tmpfs covered anything)."""
+        fstype = self.mounts.fstype.get(point, "")
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            # A file mounted over a file (a container's /etc/hosts…): the real one, read-only.
+            _read_only_bind(f"/proc/self/fd/{fd}", target, recursive=False, extra=MS_NODEV)
+            return
+        if fstype in _PSEUDO:
+            _read_only_bind(f"/proc/self/fd/{fd}", target, recursive=False, extra=MS_NODEV)
+            self.root.read_only[point] = f"a {fstype} file system"
+            return
+        try:
+            self.overlay(fd, target, point)
+        except OSError as e:
+            _read_only_bind(f"/proc/self/fd/{fd}", target, recursive=False, extra=MS_NODEV)
+            self.root.read_only[point] = str(e)
 
     def directory(self, host: str, dir_fd: int, target: str) -> None:
         """Fill `target` (an empty directory of the skeleton) with the entries of `host`."""
@@ -283,10 +306,13 @@ def _fresh_proc(proc: str, sysctls: dict[str, str]) -> dict[str, str]:
     return failed
 
 
-def build(*, scratch_bytes: int, sysctls: dict[str, str]) -> tuple[PrivateRoot, dict[str, str]]:
+def build(
+    *, scratch_bytes: int, sysctls: dict[str, str], whole: bool = False
+) -> tuple[PrivateRoot, dict[str, str]]:
     """Make a private copy-on-write root and enter it (chroot-like, via pivot_root); the
     process's working directory stays the same path. Returns the root's description and the
-    namespace settings (`sysctls`, relative to /proc/sys) that could not be written.
+    namespace settings (`sysctls`, relative to /proc/sys) that could not be written. `whole`: the
+    mounts are not locked (see the module's docstring).
 
     Raises OSError naming the step when the running Linux does not allow one.
     """
@@ -296,7 +322,18 @@ def build(*, scratch_bytes: int, sysctls: dict[str, str]) -> tuple[PrivateRoot, 
     mounts = _Mounts()
     root_fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     staging_fd = os.open(STAGING, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    points: dict[str, int] = {}
     try:
+        if whole:
+            # Every other file system the kernel sees, parents first, opened before the scratch
+            # tmpfs covers STAGING (the kernel's /tmp may be one of them).
+            for point in mounts.points:
+                if point == "/" or any(point == f or point.startswith(f + "/") for f in _FRESH):
+                    continue
+                try:
+                    points[point] = os.open(point, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+                except OSError:
+                    continue  # (covered by a later mount, or not readable)
         # The staging directory is covered by the scratch tmpfs below; the overlays reach the
         # real one through root_fd.
         _mount(
@@ -310,13 +347,26 @@ def build(*, scratch_bytes: int, sysctls: dict[str, str]) -> tuple[PrivateRoot, 
         for d in ("root", "u", "w"):
             os.mkdir(f"{scratch}/{d}")
         new = f"{scratch}/root"
-        _copy_owner_and_mode(os.fstat(root_fd), new)
-        _mount(new, new, None, MS_BIND)  # pivot_root wants a mount point
         builder = _Builder(mounts, scratch, staging_fd)
-        builder.directory("/", root_fd, new)
+        if whole:
+            builder.overlay(root_fd, new, "/")
+            for point, fd in points.items():
+                target = new + point
+                if os.path.lexists(target):
+                    builder.mounted(point, fd, target)
+            # Landlock grants changes beneath these (not beneath /, which holds /proc and /dev).
+            builder.root.writable = [
+                f"/{e.name}"
+                for e in os.scandir(new)
+                if e.is_dir(follow_symlinks=False) and f"/{e.name}" not in _FRESH
+            ]
+        else:
+            _copy_owner_and_mode(os.fstat(root_fd), new)
+            _mount(new, new, None, MS_BIND)  # pivot_root wants a mount point
+            builder.directory("/", root_fd, new)
     finally:
-        os.close(root_fd)
-        os.close(staging_fd)
+        for fd in (root_fd, staging_fd, *points.values()):
+            os.close(fd)
     root = builder.root
     for name in ("proc", "dev", "sys"):
         if not os.path.isdir(f"{new}/{name}"):
@@ -337,8 +387,9 @@ def build(*, scratch_bytes: int, sysctls: dict[str, str]) -> tuple[PrivateRoot, 
     check(syscall(SYS_PIVOT_ROOT[arch], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "umount the kernel's root")
     os.chdir("/")
-    # The skeleton itself (the directories holding the overlays) does not change.
-    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    if not whole:
+        # The skeleton itself (the directories holding the overlays) does not change.
+        _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     try:
         os.chdir(cwd)
     except OSError:

@@ -74,6 +74,10 @@ def enter_namespaces() -> None:
         raise Unavailable(
             f"new user, mount, network, IPC, PID and UTS namespaces ({os.strerror(e.errno or 0)})"
         ) from None
+    _map_user(uid, gid)
+
+
+def _map_user(uid: int, gid: int) -> None:
     for name, value in (
         ("setgroups", "deny"),
         ("uid_map", f"{uid} {uid} 1"),
@@ -86,6 +90,83 @@ def enter_namespaces() -> None:
             raise Unavailable(
                 f"a user namespace map ({name}: {os.strerror(e.errno or 0)})"
             ) from None
+
+
+#: the namespaces a kernel with CAP_SYS_ADMIN (root) makes for its preview from its own thread
+#: (see `fork_into_namespaces`); the preview adds its mount and user namespaces itself
+_DIRECT_NAMESPACES = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+_DIRECT_FILES = ("net", "ipc", "uts", "pid_for_children")
+#: why `fork_into_namespaces` is not possible in this kernel (learnt once)
+direct_unavailable: str | None = None
+
+
+def fork_into_namespaces() -> tuple[int, int]:
+    """The single fork of a kernel that may create namespaces itself (root, CAP_SYS_ADMIN): the
+    calling thread moves into new PID, network, IPC and UTS namespaces, forks the preview's first
+    process into them, and moves back; the kernel's other threads never leave theirs. Returns
+    (pid, a descriptor of the new IPC namespace's System V shared memory table) in the kernel,
+    (0, -1) in the child. Raises `Unavailable` (and remembers why) where Linux refuses; the
+    caller then takes the unprivileged way (a monitor that enters a user namespace first)."""
+    global direct_unavailable
+    if direct_unavailable is not None:
+        raise Unavailable(direct_unavailable)
+    home: dict[str, int] = {}
+    pid, sysv = -1, -1
+    try:
+        for name in _DIRECT_FILES:
+            home[name] = os.open(f"/proc/thread-self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            # The way back must be open before the thread leaves (a container may allow
+            # unshare and refuse setns).
+            if libc.setns(home[name], 0) != 0:
+                direct_unavailable = f"setns {name}: {os.strerror(ctypes.get_errno())}"
+                raise Unavailable(direct_unavailable)
+        if libc.unshare(_DIRECT_NAMESPACES) != 0:
+            direct_unavailable = f"unshare: {os.strerror(ctypes.get_errno())}"
+            raise Unavailable(direct_unavailable)
+        try:
+            # (the table of the namespace the descriptor was opened in, whoever reads it)
+            sysv = os.open("/proc/sysvipc/shm", os.O_RDONLY | os.O_CLOEXEC)
+            pid = os.fork()
+        finally:
+            if pid != 0:
+                for name in _DIRECT_FILES:
+                    if libc.setns(home[name], 0) != 0:  # (never fails for the namespace it left)
+                        err = ctypes.get_errno()
+                        os.write(2, f"themisto: setns back {name}: {os.strerror(err)}\n".encode())
+                        os._exit(70)  # a kernel outside its namespaces must not go on
+    finally:
+        if pid != 0:
+            for fd in home.values():
+                os.close(fd)
+            if pid < 0 and sysv >= 0:
+                os.close(sysv)
+    if pid == 0:
+        for fd in (*home.values(), sysv):
+            os.close(fd)
+        return 0, -1
+    return pid, sysv
+
+
+def pid_max_per_namespace() -> bool:
+    """Whether this Linux keeps kernel/pid_max per PID namespace (>= 6.14): elsewhere it is the
+    whole machine's setting, which a privileged preview must never write."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 14)
+
+
+def enter_user_namespace() -> None:
+    """For a first process made by `fork_into_namespaces` once its root is built: a new user
+    namespace mapping only its own uid and gid. It then holds capabilities over that namespace
+    only, which owns none of its other namespaces (nor the kernel's)."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        check(libc.unshare(CLONE_NEWUSER), "unshare")
+    except OSError as e:
+        raise Unavailable(f"a new user namespace ({os.strerror(e.errno or 0)})") from None
+    _map_user(uid, gid)
 
 
 # -- descriptors ------------------------------------------------------------------------------
@@ -663,25 +744,43 @@ class Isolation:
 
 
 def isolate(
-    *, keep: set[int], memory_mb: int, cpu_seconds: int, programs: dict[bool, bytes]
+    *,
+    keep: set[int],
+    memory_mb: int,
+    cpu_seconds: int,
+    programs: dict[bool, bytes],
+    direct: bool = False,
 ) -> Isolation:
-    """Lock the calling process (the first of its PID namespace, see `enter_namespaces`) down
-    for good; raise `Unavailable` if any layer cannot be put in place.
+    """Lock the calling process (the first of its PID namespace) down for good; raise
+    `Unavailable` if any layer cannot be put in place.
 
     `keep`: the descriptors that stay (the reply channel); `programs`: the seccomp programs built
-    by the kernel for `processes` False and True."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the monitor's death ends the namespace
+    by the kernel for `processes` False and True. `direct`: made by `fork_into_namespaces` (still
+    privileged: it enters its mount namespace first and its user namespace once the root is
+    built); else by a monitor in `enter_namespaces` (already in its user namespace)."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the kernel's (or monitor's) death ends it
     os.setsid()  # kill(0, ...) and process-group calls reach this namespace only
     state: dict[str, str] = {
         "namespaces": "on (user, mount, network, IPC, PID, UTS)",
     }
+    if direct:
+        try:
+            check(libc.unshare(CLONE_NEWNS), "unshare")
+        except OSError as e:
+            raise Unavailable(f"a new mount namespace ({os.strerror(e.errno or 0)})") from None
     found = inventory_descriptors(keep)
     memory = memory_mb * 2**20
     copied = privatize_shared_mappings(memory)
+    sysctls = namespace_sysctls(memory)
+    refused = {}
+    if direct and not pid_max_per_namespace():
+        del sysctls["kernel/pid_max"]  # (the machine's own: never written)
+        refused["kernel/pid_max"] = "Linux < 6.14 has no pid_max per PID namespace"
     try:
-        root, failed = private_root.build(scratch_bytes=memory, sysctls=namespace_sysctls(memory))
+        root, failed = private_root.build(scratch_bytes=memory, sysctls=sysctls, whole=direct)
     except OSError as e:
         raise Unavailable(f"a private copy-on-write root ({e.strerror or e})") from None
+    failed.update(refused)
     processes = "kernel/pid_max" not in failed
     state["filesystem"] = "on (private overlay of every file system; writes stay in the preview)"
     if root.read_only:
@@ -692,6 +791,8 @@ def isolate(
         os.dup2(devnull, fd)
         stubbed.pop(fd, None)
     os.close(devnull)
+    if direct:
+        enter_user_namespace()
     state["descriptors"] = f"on ({len(stubbed)} stubbed, {len(found) - len(stubbed)} re-opened)"
     state["shared_memory"] = f"on (private copies, {copied >> 10} kB copied)"
     state["processes"] = (
@@ -760,15 +861,24 @@ def namespace_memory(pid: int, scratch_fd: int | None) -> int | None:
 def sysv_shared_memory() -> int:
     """Bytes of System V shared memory in the caller's IPC namespace (resident or swapped),
     attached or not."""
-    total = 0
     try:
         with open("/proc/sysvipc/shm") as fh:
-            names = fh.readline().split()
-            rss, swap = names.index("rss"), names.index("swap")
-            for line in fh:
-                f = line.split()
-                total += int(f[rss]) + int(f[swap])
-    except (OSError, ValueError, IndexError):
+            return sysv_total(fh.read())
+    except OSError:
+        return 0
+
+
+def sysv_total(table: str) -> int:
+    """The bytes (resident or swapped) of the segments of a /proc/sysvipc/shm table."""
+    total = 0
+    try:
+        lines = table.splitlines()
+        names = lines[0].split()
+        rss, swap = names.index("rss"), names.index("swap")
+        for line in lines[1:]:
+            f = line.split()
+            total += int(f[rss]) + int(f[swap])
+    except (ValueError, IndexError):
         pass
     return total
 

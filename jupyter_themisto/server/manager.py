@@ -218,17 +218,25 @@ class ThemistoManager:
         """A context from the cells the browser sent, for a notebook nothing is recorded of yet
         (recording off, or a new user's first cells): its code cells as if run in order."""
         cells = [c.model_dump() for c in req.cells or []]
+        code = [c for c in cells if c["cell_type"] == "code" and c["source"].strip()]
         rows = [
-            {"source": c["source"], "order_index": i, "status": "ok", "outputs": []}
-            for i, c in enumerate(cells)
-            if c["cell_type"] == "code" and c["source"].strip()
+            {
+                "source": c["source"],
+                "order_index": i,
+                "cell_id": c.get("id"),
+                "status": "ok",
+                "outputs": [],
+            }
+            for i, c in enumerate(code)
         ]
+        below = req.cells_below
         return build_context(
             rows,
             [],
             with_runtime=False,
             target_source=getattr(req, "source", None),
             notebook_cells=cells,
+            cells_below=[c.model_dump() for c in below] if below else None,
             token_budget=self.token_budget,
             max_output_chars=self.max_output_chars,
             notebook_path=req.notebook_path,
@@ -246,6 +254,7 @@ class ThemistoManager:
             variables = [redact_variable(v) for v in self.store.latest_variables(tid)]
             changes = self.store.variable_changes(tid)
         cells = [c.model_dump() for c in req.cells] if req.cells else None
+        below = [c.model_dump() for c in req.cells_below] if req.cells_below else None
         # Only the tail fits in the budget: read a little, and more only while all of it fits,
         # so that a request costs the same however long the trajectory is.
         tail = 48
@@ -257,6 +266,7 @@ class ThemistoManager:
                 with_runtime=req.with_runtime,
                 target_source=getattr(req, "source", None),
                 notebook_cells=cells,
+                cells_below=below,
                 variable_changes=changes,
                 token_budget=self.token_budget,
                 max_output_chars=self.max_output_chars,
@@ -333,7 +343,10 @@ class ThemistoManager:
         sent = [c.source for c in req.cells or [] if c.cell_type == "code" and c.source.strip()]
         recorded = [c.source for c in ctx.cells if c.cell_type == "code"]
         if sent and (not recorded or recorded[-1] != sent[-1]):
-            ctx.cells.append(ContextCell(source=sent[-1], execution_count=None))
+            # Numbered as its execution will be, so that the prompt's window starts where the
+            # prediction's will.
+            last = max((c.order_index for c in ctx.cells if c.order_index is not None), default=-1)
+            ctx.cells.append(ContextCell(source=sent[-1], order_index=last + 1))
         try:
             # Scrubbed as at the door of open_stream: the backend's cache then holds the very
             # prompt the prediction will send, and never a secret.

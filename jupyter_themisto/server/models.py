@@ -41,6 +41,8 @@ class NotebookCell(BaseModel):
 
     cell_type: Literal["code", "markdown", "raw"] = "code"
     source: Text = ""
+    #: the nbformat cell id (recorded executions name it): places markdown beside its code
+    id: Text | None = Field(None, max_length=200)
 
 
 class PredictionRequest(BaseModel):
@@ -53,6 +55,8 @@ class PredictionRequest(BaseModel):
     with_runtime: bool = True
     client_id: Text | None = Field(None, max_length=200)
     cells: list[NotebookCell] | None = Field(None, max_length=10000)
+    #: next cell: the notebook's cells below the insertion point, in notebook order
+    cells_below: list[NotebookCell] | None = Field(None, max_length=10000)
 
     @model_validator(mode="after")
     def _needs_an_id(self) -> PredictionRequest:

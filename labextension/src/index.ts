@@ -38,8 +38,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       label: 'Themisto: Record and Predict in This Notebook',
       isToggled: () => {
         const meta = tracker.currentWidget?.content.model?.getMetadata('themisto') as
-          | { record?: boolean }
-          | undefined;
+          { record?: boolean } | undefined;
         return !meta || meta.record !== false;
       },
       isEnabled: () => !!tracker.currentWidget,

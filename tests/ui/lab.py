@@ -61,11 +61,15 @@ def free_port() -> int:
 
 
 class JupyterLab:
-    """`jupyter lab` with the extension, the embedded retrieval backend and an isolated store."""
+    """`jupyter lab` with the extension, the embedded retrieval backend and an isolated store;
+    `app="server"` runs the plain `jupyter server` (the same extension, no lab pages)."""
 
-    def __init__(self, base: Path, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self, base: Path, extra_args: list[str] | None = None, *, app: str = "lab"
+    ) -> None:
         self.base = base
         self.extra_args = list(extra_args or [])
+        self.app = app
         self.root = base / "root"
         self.store_path = base / "store" / "trajectories.sqlite"
         self.port = free_port()
@@ -100,7 +104,7 @@ class JupyterLab:
         self._proc = subprocess.Popen(
             [
                 str(VENV_BIN / "jupyter"),
-                "lab",
+                self.app,
                 "--no-browser",
                 "--allow-root",
                 f"--ServerApp.port={self.port}",
@@ -108,7 +112,11 @@ class JupyterLab:
                 "--ServerApp.ip=127.0.0.1",
                 f"--IdentityProvider.token={self.token}",
                 f"--ServerApp.root_dir={self.root}",
-                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                *(
+                    ["--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+                    if self.app == "lab"
+                    else []
+                ),
                 *self.extra_args,
             ],
             env=self.env(),
@@ -118,13 +126,13 @@ class JupyterLab:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited early:\n{self.log()}")
+                raise RuntimeError(f"jupyter {self.app} exited early:\n{self.log()}")
             try:
                 self.api("GET", "/api/status")
                 return
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.3)
-        raise RuntimeError(f"jupyter lab did not answer within {timeout} s:\n{self.log()}")
+        raise RuntimeError(f"jupyter {self.app} did not answer within {timeout} s:\n{self.log()}")
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -91,16 +91,16 @@ export async function listBackends(): Promise<{
 /**
  * Parse a text/event-stream body into events; yields each as soon as its blank line arrives.
  */
-export async function* readEvents(
-  body: ReadableStream<Uint8Array>
-): AsyncGenerator<PredictEvent> {
+export async function* readEvents(body: ReadableStream<Uint8Array>): AsyncGenerator<PredictEvent> {
   const reader = body.getReader();
   const decoder = new TextDecoder();
   let buffer = '';
+  let finished = false;
   try {
     for (;;) {
       const { value, done } = await reader.read();
       if (done) {
+        finished = true;
         break;
       }
       buffer += decoder.decode(value, { stream: true });
@@ -119,6 +119,11 @@ export async function* readEvents(
       yield last;
     }
   } finally {
+    if (!finished) {
+      // The reader stopped early (an error event, a malformed one, a failing onUpdate): cancel
+      // the body, which closes the connection instead of leaving the server streaming into it.
+      await reader.cancel().catch(() => undefined);
+    }
     reader.releaseLock();
   }
 }
@@ -146,7 +151,12 @@ function parseBlock(block: string): PredictEvent | null {
   try {
     payload = JSON.parse(data.join('\n'));
   } catch {
-    return null;
+    // 502, as a gateway says of an answer it cannot read.
+    const shown = data.join('\n').slice(0, 200);
+    throw new ThemistoError(
+      `malformed event from the server: ${event} data is not JSON: ${shown}`,
+      502
+    );
   }
   return { event, data: payload } as PredictEvent;
 }
@@ -204,9 +214,7 @@ export async function streamPrediction(
           result.note = standInNote(item.data.metadata) ?? result.note;
         } else {
           const index = item.data.index ?? 0;
-          let suggestion: ISuggestion | undefined = result.suggestions.find(
-            s => s.index === index
-          );
+          let suggestion: ISuggestion | undefined = result.suggestions.find(s => s.index === index);
           if (!suggestion) {
             suggestion = { index, text: '', done: false, score: null };
             result.suggestions.push(suggestion);

@@ -83,8 +83,7 @@ export class ThemistoService {
     if (kernel) {
       request.kernel_id = kernel.id;
     }
-    const backend =
-      (task === 'output' && this._settings.outputBackend) || this._settings.backend;
+    const backend = (task === 'output' && this._settings.outputBackend) || this._settings.backend;
     if (backend) {
       request.backend = backend;
     }
@@ -103,19 +102,29 @@ export class ThemistoService {
     const request = this.baseRequest(panel, 'next-cell');
     request.n = this._settings.suggestions;
     request.cells = [];
+    request.cells_below = [];
     // The cells the predicted one follows: those above the active cell, and the active cell
-    // itself unless it is the empty one waiting for the prediction.
+    // itself unless it is the empty one waiting for the prediction; then the cells below the
+    // insertion point (a model with fill-in-the-middle reads them). Ids let the server place
+    // markdown beside the recorded runs of the code it explains.
     const model = panel.content.model;
     if (model) {
       const active = panel.content.activeCellIndex;
       const last = active < 0 ? model.cells.length - 1 : active;
-      for (let i = 0; i <= last && i < model.cells.length; i++) {
+      let below = false;
+      for (let i = 0; i < model.cells.length; i++) {
         const cell = model.cells.get(i);
         const source = cell.sharedModel.getSource();
         if (i === active && !source.trim()) {
-          break;
+          below = true;
+          continue;
         }
-        request.cells.push({ cell_type: cell.type, source });
+        const entry = { cell_type: cell.type, source, id: cell.id };
+        if (below || i > last) {
+          request.cells_below.push(entry);
+        } else {
+          request.cells.push(entry);
+        }
       }
     }
     const path = panel.context.path;

@@ -31,9 +31,7 @@ export const DEFAULT_SETTINGS: IThemistoSettings = {
 };
 
 /** Read the composite settings, falling back to defaults for anything missing. */
-export function readSettings(
-  settings: ISettingRegistry.ISettings | null
-): IThemistoSettings {
+export function readSettings(settings: ISettingRegistry.ISettings | null): IThemistoSettings {
   if (!settings) {
     return { ...DEFAULT_SETTINGS };
   }
@@ -46,8 +44,6 @@ export function notebookOptedOut(model: INotebookModel | null | undefined): bool
   if (!model) {
     return false;
   }
-  const meta = model.getMetadata('themisto') as
-    | { record?: boolean; predict?: boolean }
-    | undefined;
+  const meta = model.getMetadata('themisto') as { record?: boolean; predict?: boolean } | undefined;
   return !!meta && (meta.record === false || meta.predict === false);
 }

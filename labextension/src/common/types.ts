@@ -37,6 +37,13 @@ export interface IBackendInfo {
   health: { ok: boolean; detail: string };
 }
 
+/** A cell of the notebook as the prediction request carries it. */
+export interface INotebookCell {
+  cell_type: string;
+  source: string;
+  id?: string;
+}
+
 /** Body of POST /themisto/predict/next-cell and /themisto/predict/output. */
 export interface IPredictRequest {
   kernel_id?: string;
@@ -45,7 +52,8 @@ export interface IPredictRequest {
   backend?: string;
   with_runtime?: boolean;
   n?: number;
-  cells?: { cell_type: string; source: string }[];
+  cells?: INotebookCell[];
+  cells_below?: INotebookCell[];
   source?: string;
   client_id?: string;
   /** Next cell only: just let the backend prepare (answered 204, nothing streamed). */

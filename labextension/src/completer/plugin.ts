@@ -4,7 +4,7 @@
  */
 import { ICompletionProviderManager } from '@jupyterlab/completer';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
-import { Cell } from '@jupyterlab/cells';
+import { Cell, ICodeCellModel } from '@jupyterlab/cells';
 import { CommandRegistry } from '@lumino/commands';
 
 import { listExecutions, listTrajectories, requestJSON } from '../common/handler';
@@ -24,7 +24,7 @@ function hasExecutions(panel: NotebookPanel): boolean {
   }
   for (let i = 0; i < model.cells.length; i++) {
     const cell = model.cells.get(i);
-    if (cell.type === 'code' && (cell as any).executionCount) {
+    if (cell.type === 'code' && (cell as ICodeCellModel).executionCount) {
       return true;
     }
   }
@@ -172,7 +172,7 @@ export function activateNextCell(
   NotebookActions.executed.connect((_, { notebook, cell }) => {
     const set = pendingOf(notebook);
     set.delete(cell.model.id);
-    const count = cell.model.type === 'code' ? (cell.model as any).executionCount : null;
+    const count = cell.model.type === 'code' ? (cell.model as ICodeCellModel).executionCount : null;
     lastRun.set(notebook, {
       count: typeof count === 'number' ? count : null,
       source: cell.model.sharedModel.getSource()

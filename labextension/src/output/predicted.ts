@@ -2,36 +2,32 @@
  * The dimmed "predicted output" area under a code cell and the badge that replaces it when the
  * cell really runs, saying whether the prediction matched.
  */
+import * as nbformat from '@jupyterlab/nbformat';
+import { PartialJSONObject } from '@lumino/coreutils';
 import { Widget } from '@lumino/widgets';
 
 /** Plain text of nbformat outputs, the same shape the backends predict. */
-export function outputsText(outputs: any[]): string {
+export function outputsText(outputs: nbformat.IOutput[]): string {
   const parts: string[] = [];
   for (const output of outputs) {
-    switch (output.output_type) {
-      case 'stream':
-        parts.push(joinText(output.text));
-        break;
-      case 'execute_result':
-      case 'display_data': {
-        const data = output.data ?? {};
-        if (data['text/plain'] !== undefined) {
-          parts.push(joinText(data['text/plain']));
-          if (!parts[parts.length - 1].endsWith('\n')) {
-            parts[parts.length - 1] += '\n';
-          }
+    if (nbformat.isStream(output)) {
+      parts.push(joinText(output.text));
+    } else if (nbformat.isExecuteResult(output) || nbformat.isDisplayData(output)) {
+      const plain = output.data?.['text/plain'];
+      if (plain !== undefined) {
+        parts.push(joinText(plain));
+        if (!parts[parts.length - 1].endsWith('\n')) {
+          parts[parts.length - 1] += '\n';
         }
-        break;
       }
-      case 'error':
-        parts.push(`${output.ename}: ${output.evalue}\n`);
-        break;
+    } else if (nbformat.isError(output)) {
+      parts.push(`${output.ename}: ${output.evalue}\n`);
     }
   }
   return parts.join('');
 }
 
-function joinText(text: string | string[]): string {
+function joinText(text: nbformat.MultilineString | PartialJSONObject): string {
   return Array.isArray(text) ? text.join('') : String(text ?? '');
 }
 

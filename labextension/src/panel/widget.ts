@@ -194,7 +194,9 @@ export class ThemistoPanel extends Widget {
       code.textContent = suggestion.text;
       const actions = div('jp-ThemistoSuggestion-actions');
       if (suggestion.score !== null) {
-        actions.appendChild(div('jp-ThemistoSuggestion-score', `score ${suggestion.score.toFixed(2)}`));
+        actions.appendChild(
+          div('jp-ThemistoSuggestion-score', `score ${suggestion.score.toFixed(2)}`)
+        );
       }
       const insert = document.createElement('button');
       insert.className = 'jp-mod-styled jp-ThemistoSuggestion-insert';

@@ -1,0 +1,341 @@
+"""Prompts: what a model is given for a prediction, rendered from a PredictionContext.
+
+Two families. Chat models (the `openai` and `anthropic` backends) get instructions and the
+context as readable text (`render_prompt`). Models that continue text (the in-process
+`llamacpp` and `seq2seq` backends) get a `Prompt` (`next_cell_prompt`, `output_prompt`): the
+text to continue, the strings that end the answer, and, where the model knows
+fill-in-the-middle, the cells below the insertion point as the suffix.
+
+The next-cell prompt was shaped by measurement (benchmarks/prompt_ablation.py, numbers in
+README "Prompts"): the executed cells in the order the person ran them, as plain code behind
+`# %%` lines, is what a code model continues best. Anything rendered as comments right before
+the open cell (outputs, variables) is imitated rather than used, so runtime information goes
+where the model reads but does not continue it (`PromptOptions.runtime`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from ..context import ContextCell, PredictionContext, variable_line
+
+#: text shaped like a special token (`<|fim_prefix|>`, `<|endoftext|>`, …)
+_SPECIAL = re.compile(r"<\|[A-Za-z_]+\|>")
+
+#: the cell marker of the percent format (Jupytext, VS Code, Spyder)
+CELL_MARKER = "# %%"
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A model's fill-in-the-middle special tokens (prefix, suffix, middle)."""
+
+    prefix: str
+    suffix: str
+    middle: str
+
+
+#: Qwen2.5-Coder's (and StarCoder2-style models' with another spelling) FIM tokens
+QWEN_FIM = FimTokens("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a text-continuation model runs for one answer.
+
+    `text` is the whole prompt (with the FIM tokens when `suffix` is used); `stops` end the
+    answer at the next cell. `prefix`/`suffix` are the two sides of a fill-in-the-middle prompt
+    (`suffix` is None for a plain continuation).
+    """
+
+    text: str
+    stops: list[str]
+    prefix: str = ""
+    suffix: str | None = None
+    #: `text` holds the model's special tokens (FIM, a chat template), to be read as such
+    special: bool = False
+    #: the fill-in-the-middle tokens `text` was made with (when `suffix` is used)
+    fim: FimTokens | None = None
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    """How a next-cell prompt is built (backend settings `prompt_<name>`).
+
+    cells: the most executed cells shown (the newest; 0: all that the context holds).
+    window_step: the first cell shown moves in steps of this many executions, so that the
+      prompts of consecutive cells share their beginning (a model's prompt cache reuses it);
+      between `cells` and `cells + window_step - 1` cells are shown.
+    outputs: "none", "last" (the newest cell's output or error, as comments) or "all"; only
+      with runtime information (an output is part of it).
+    runtime: where the live variables go: "none", "header" (a docstring at the top, read but
+      not continued), "end" (comments right before the open cell).
+    markdown: markdown cells of the notebook, as `# %% [markdown]` cells where they stand.
+    below: the cells below the insertion point, as the suffix of a fill-in-the-middle prompt
+      (only for models with FIM tokens; off by default: it lowered the scores, see README).
+    below_cells: how many of the cells below (the nearest) the suffix holds.
+    max_output_lines: lines kept of an output shown.
+    template: "raw" (the script to continue) or "chatml" (the script inside an instruct model's
+      ChatML conversation, the assistant's answer opened with a code fence).
+    """
+
+    cells: int = 10
+    window_step: int = 10
+    outputs: str = "last"
+    runtime: str = "none"
+    markdown: bool = True
+    below: bool = False
+    below_cells: int = 2
+    max_output_lines: int = 6
+    template: str = "raw"
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> PromptOptions:
+        """Options from backend settings named `prompt_<option>`; unknown ones are errors."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in settings.items():
+            if not key.startswith("prompt_"):
+                continue
+            name = key[len("prompt_") :]
+            if name not in known:
+                raise ValueError(
+                    f"unknown prompt setting {key!r}: expected one of "
+                    + ", ".join("prompt_" + n for n in known)
+                )
+            default = getattr(cls(), name)
+            values[name] = _coerce(key, value, default)
+        options = replace(cls(), **values)
+        options.check()
+        return options
+
+    def check(self) -> None:
+        if self.outputs not in ("none", "last", "all"):
+            raise ValueError(f"prompt_outputs must be none, last or all, not {self.outputs!r}")
+        if self.runtime not in ("none", "header", "end"):
+            raise ValueError(f"prompt_runtime must be none, header or end, not {self.runtime!r}")
+        if self.template not in ("raw", "chatml"):
+            raise ValueError(f"prompt_template must be raw or chatml, not {self.template!r}")
+        if min(self.cells, self.below_cells, self.max_output_lines) < 0 or self.window_step < 1:
+            raise ValueError(
+                "prompt_cells, prompt_below_cells, prompt_max_output_lines ≥ 0 and"
+                " prompt_window_step ≥ 1"
+            )
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, not {value!r}")
+        return value
+    if isinstance(default, int):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be a whole number, not {value!r}") from None
+    return str(value)
+
+
+def _output_lines(cell: ContextCell, limit: int) -> list[str]:
+    lines = cell.output_text.rstrip().splitlines()
+    if len(lines) > limit:
+        lines = lines[:limit] + ["…"]
+    return [("# Out: " if i == 0 else "#      ") + line for i, line in enumerate(lines)]
+
+
+def _window(cells: list[ContextCell], options: PromptOptions) -> list[ContextCell]:
+    """The newest `options.cells` code cells, with the markdown cells that stand among them."""
+    code = [i for i, c in enumerate(cells) if c.cell_type == "code"]
+    if not options.cells or len(code) <= options.cells:
+        return cells
+    indexes = [cells[i].order_index for i in code]
+    if any(x is None for x in indexes):
+        kept = code[-options.cells :]
+    else:
+        # Count in executions since the trajectory began, so that the window's start is the
+        # same for a stretch of consecutive cells and the prompt's beginning stays put.
+        newest = int(indexes[-1] or 0)
+        start = (max(0, newest + 1 - options.cells) // options.window_step) * options.window_step
+        kept = [i for i in code if int(cells[i].order_index or 0) >= start]
+    begin = kept[0]
+    # Markdown right above the first kept cell belongs to it.
+    while begin > 0 and cells[begin - 1].cell_type == "markdown":
+        begin -= 1
+    return cells[begin:]
+
+
+def _markdown_lines(cell: ContextCell) -> list[str]:
+    return [f"{CELL_MARKER} [markdown]"] + ["# " + line for line in cell.source.splitlines()]
+
+
+def next_cell_prompt(
+    ctx: PredictionContext,
+    options: PromptOptions | None = None,
+    fim: FimTokens | None = None,
+) -> Prompt:
+    """The next cell as the open last cell of a percent-format script.
+
+    The executed cells (newest `options.cells`) as plain code in the order they ran, markdown
+    cells where they stand, the runtime summary where `options.runtime` puts it, and with `fim`
+    and cells below the insertion point a fill-in-the-middle prompt whose suffix holds them.
+    """
+    options = options or PromptOptions()
+    cells = [c for c in ctx.cells if options.markdown or c.cell_type != "markdown"]
+    cells = _window(cells, options)
+    newest = max((i for i, c in enumerate(cells) if c.cell_type == "code"), default=-1)
+    lines: list[str] = []
+    variables = [variable_line(v) for v in ctx.variables] if ctx.with_runtime else []
+    if variables and options.runtime == "header":
+        lines += ['"""Live variables of the kernel:', *variables, '"""', ""]
+    for i, c in enumerate(cells):
+        if c.cell_type == "markdown":
+            lines += _markdown_lines(c) + [""]
+            continue
+        lines += [CELL_MARKER, c.source.rstrip()]
+        # Outputs and errors are runtime information too: shown only with it.
+        if (
+            ctx.with_runtime
+            and c.output_text.strip()
+            and (options.outputs == "all" or (options.outputs == "last" and i == newest))
+        ):
+            lines += _output_lines(c, options.max_output_lines)
+        lines.append("")
+    if variables and options.runtime == "end":
+        lines += ["# Live variables:", *("#   " + v for v in variables), ""]
+    # Engines read special tokens spelled in the prompt as such: none may come from the notebook.
+    prefix = _SPECIAL.sub("", "\n".join(lines + [CELL_MARKER, ""]))
+    stops = [CELL_MARKER, "\n# Out:"]
+    if options.template == "chatml":
+        script = prefix
+        text = (
+            f"<|im_start|>system\n{NEXT_CELL_INSTRUCTIONS}<|im_end|>\n<|im_start|>user\n"
+            f"```python\n{script}```<|im_end|>\n<|im_start|>assistant\n```python\n"
+        )
+        return Prompt(text=text, stops=stops + ["```", "<|im_end|>"], prefix=text, special=True)
+    below = [c for c in ctx.cells_below if options.markdown or c.cell_type != "markdown"]
+    below = below[: options.below_cells]
+    if fim is None or not options.below or not below:
+        return Prompt(text=prefix, stops=stops, prefix=prefix)
+    tail: list[str] = []
+    for c in below:
+        if c.cell_type == "markdown":
+            tail += _markdown_lines(c) + [""]
+        else:
+            tail += [CELL_MARKER, c.source.rstrip(), ""]
+    suffix = _SPECIAL.sub("", "\n" + "\n".join(tail))
+    text = fim.prefix + prefix + fim.suffix + suffix + fim.middle
+    return Prompt(
+        text=text,
+        stops=stops + [fim.prefix, fim.suffix],
+        prefix=prefix,
+        suffix=suffix,
+        special=True,
+        fim=fim,
+    )
+
+
+def output_prompt(ctx: PredictionContext) -> Prompt:
+    """An output as what a Python console session prints after the cell.
+
+    `>>> ` and `... ` before each cell's lines, then what it printed; of the live variables
+    only those the cell names (a small model copies what it is shown). Ends at the next `>>> `.
+    """
+    shown = ctx.variables if ctx.with_runtime else []
+    named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
+    variables = [variable_line(v) for v in shown if v.name in named]
+
+    def console(source: str) -> list[str]:
+        src = source.rstrip().splitlines() or [""]
+        return [">>> " + src[0]] + ["... " + line for line in src[1:]]
+
+    lines: list[str] = []
+    for c in ctx.cells:
+        if c.cell_type != "code" or c.status == "not run":
+            continue
+        lines += console(c.source)
+        if c.output_text.strip():
+            lines.append(c.output_text.rstrip())
+    lines.extend(">>> # " + v for v in variables)
+    lines += console(ctx.target_source or "")
+    text = _SPECIAL.sub("", "\n".join(lines + [""]))
+    return Prompt(text=text, stops=[">>> "], prefix=text)
+
+
+def completion_prompt(
+    ctx: PredictionContext,
+    task: str,
+    options: PromptOptions | None = None,
+    fim: FimTokens | None = None,
+) -> Prompt:
+    """The Prompt of `task` ("next-cell" or "output") for a text-continuation model."""
+    if task == "next-cell":
+        return next_cell_prompt(ctx, options, fim)
+    if task == "output":
+        return output_prompt(ctx)
+    raise ValueError(f"unknown task {task!r}: expected 'next-cell' or 'output'")
+
+
+# -- chat models ------------------------------------------------------------------------------
+
+NEXT_CELL_INSTRUCTIONS = (
+    "You predict the next code cell a person will run in a Jupyter notebook, from the cells "
+    "they ran so far (in the order they ran them) and the live variables of their kernel. "
+    "Answer with the Python code of the next cell only: no explanation, no Markdown fences."
+)
+OUTPUT_INSTRUCTIONS = (
+    "You predict the text output a Jupyter notebook cell will print or display when it runs, "
+    "from the cells run before it and the live variables of the kernel. Answer with the "
+    "output text only, exactly as Jupyter would show it: no explanation, no Markdown fences."
+)
+
+
+def render_context(ctx: PredictionContext) -> str:
+    """The context as plain text for a chat model: notes, cells in run order, variables."""
+    lines: list[str] = []
+    if ctx.notebook_path:
+        lines.append(f"# Notebook: {ctx.notebook_path}")
+    for c in ctx.cells:
+        if c.cell_type == "markdown":
+            lines.append("# [markdown]")
+            lines.extend("# " + line for line in c.source.splitlines())
+            continue
+        count = c.execution_count if c.execution_count is not None else " "
+        lines.append(f"# In[{count}]:" + ("" if c.status == "ok" else f" ({c.status})"))
+        lines.append(c.source.rstrip())
+        if c.output_text.strip():
+            lines.append("# Out:")
+            lines.extend("# " + line for line in c.output_text.rstrip().splitlines())
+    if ctx.with_runtime and ctx.variables:
+        lines.append("# Live variables (most recently changed first):")
+        lines.extend("#   " + variable_line(v) for v in ctx.variables)
+    return "\n".join(lines) + "\n"
+
+
+def render_prompt(ctx: PredictionContext, task: str) -> tuple[str, str]:
+    """(instructions, prompt text) for a chat model, `task` "next-cell" or "output"."""
+    body = render_context(ctx)
+    if task == "output":
+        body += f"# The cell to predict the output of:\n{(ctx.target_source or '').rstrip()}\n"
+        return OUTPUT_INSTRUCTIONS, body
+    if task != "next-cell":
+        raise ValueError(f"unknown task {task!r}: expected 'next-cell' or 'output'")
+    body += "# The next cell:\n"
+    return NEXT_CELL_INSTRUCTIONS, body
+
+
+__all__ = [
+    "CELL_MARKER",
+    "QWEN_FIM",
+    "FimTokens",
+    "Prompt",
+    "PromptOptions",
+    "completion_prompt",
+    "next_cell_prompt",
+    "output_prompt",
+    "render_context",
+    "render_prompt",
+]
