@@ -213,6 +213,8 @@ def test_reader_in_another_process_during_writes(kernel):
                 import sys, time
                 from jupyter_themisto.store import TrajectoryStore
                 store = TrajectoryStore({str(kernel.store_path)!r}, readonly=True)
+                store.list_trajectories()
+                print("ready", flush=True)
                 seen, reads, end = [], 0, time.monotonic() + 120
                 while time.monotonic() < end:
                     (t,) = store.list_trajectories()
@@ -232,6 +234,8 @@ def test_reader_in_another_process_during_writes(kernel):
         stderr=subprocess.PIPE,
         text=True,
     )
+    # Cells only once the reader reads (its start-up may outlast 25 quick cells under load).
+    assert reader.stdout.readline() == "ready\n"
     for i in range(25):
         kernel.run(f"v{i} = {i}\nprint(v{i})")
     out, err = reader.communicate(timeout=120)
