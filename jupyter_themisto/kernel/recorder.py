@@ -370,9 +370,10 @@ class ThemistoRecorder(LoggingConfigurable):
             self._report("pre_execute failed", e)
 
     def pre_run_cell(self, info: Any) -> None:
-        entered = time.perf_counter()
-        # The previous execution's deferred work must finish before this cell changes anything.
+        # The previous execution's deferred work must finish before this cell changes anything
+        # (its time counts in deferred_seconds, not here).
         self.flush_pending()
+        entered = time.perf_counter()
         try:
             self._current = None
             if os.getpid() != self.pid:

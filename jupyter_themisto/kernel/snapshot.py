@@ -35,7 +35,12 @@ right after the reply when the last is older than `snapshot_max_deferral`. A sil
 (no cell hooks) takes a due snapshot before it runs. Before forking, the kernel compares the
 namespace's bindings with those of the last snapshot and parses the cells run since
 (kernel/changes.py): when nothing can have changed, the execution is `unchanged` (`same_as`
-the execution whose snapshot holds the namespace) and no child is made.
+the execution whose snapshot holds the namespace) and no child is made. When every variable
+that may have changed is small and serializing it runs none of the person's code (_small_value:
+scalars, strings, small containers of them, arrays and plain frames under 1 MB, functions,
+plain instances of their classes), the kernel takes the snapshot itself within
+`small_snapshot_seconds` (its blobs and rows handed to the writer) instead of forking; past
+that time it gives up and forks.
 
 Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
 stubs or summaries), `unchanged`, `coalesced`, `skipped` (fork mode, `max_snapshot_children`
