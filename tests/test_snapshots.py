@@ -588,20 +588,25 @@ def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_pa
         forks = _recorder_value(k, ".snapshots.counts.get('fork', 0)")
         assert _recorder_value(k, ".snapshots.counts['small']") == small + 3
 
-        # The person's own __reduce__ runs in a child, never in the kernel.
-        custom = k.run(
+        # The person's own __reduce__ runs in a child, never in the kernel: alone (a class not
+        # in the snapshot: `_` names are not), or in a frame's attrs.
+        tagged = k.run(
             "import os\n"
-            "class Custom:\n"
+            "class _Custom:\n"
             "    def __reduce__(self):\n"
-            f"        open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
-            "        return (Custom, ())\n"
-            "c = Custom()"
+            f"        open({str(marker)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+            "        return (_Custom, ())\n"
+            "tagged = pd.DataFrame({'a': [1]})\n"
+            "tagged.attrs['by'] = _Custom()"
         )
+        assert k.variables(tagged.msg_id)["tagged"]["blob_hash"]
+        custom = k.run("c = _Custom()")
         assert k.variables(custom.msg_id)["c"]["blob_hash"]
-        assert int(marker.read_text()) != kernel_pid
+        pids = set(map(int, marker.read_text().split()))
+        assert len(pids) >= 1 and kernel_pid not in pids
         large = k.run("big = np.zeros(2_000_000)")
         k.wait_snapshot(large.msg_id)
-        assert _recorder_value(k, ".snapshots.counts.get('fork', 0)") == forks + 2
+        assert _recorder_value(k, ".snapshots.counts.get('fork', 0)") == forks + 3
         k.run("fh.close()")
         assert target.read_text() == "abc"
     finally:

@@ -819,8 +819,8 @@ def _small_frame(value: Any) -> bool:
             labels = [value.index, value.columns]
         else:
             return False
-        if value.size > _SMALL_CELLS:
-            return False
+        if value.size > _SMALL_CELLS or value.attrs:
+            return False  # large, or attrs holding anything (pickled with it)
         for label in labels:
             if not isinstance(label, pd.RangeIndex) and not _plain_values(label, pd):
                 return False
