@@ -604,9 +604,12 @@ def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_pa
         assert k.variables(custom.msg_id)["c"]["blob_hash"]
         pids = set(map(int, marker.read_text().split()))
         assert len(pids) >= 1 and kernel_pid not in pids
+        # A closure is pickled by value, with what it holds (here 16 MB).
+        closure = k.run("del c, tagged\ng = (lambda a: lambda: a)(np.zeros(2_000_000))")
+        k.wait_snapshot(closure.msg_id)
         large = k.run("big = np.zeros(2_000_000)")
         k.wait_snapshot(large.msg_id)
-        assert _recorder_value(k, ".snapshots.counts.get('fork', 0)") == forks + 3
+        assert _recorder_value(k, ".snapshots.counts.get('fork', 0)") == forks + 4
         k.run("fh.close()")
         assert target.read_text() == "abc"
     finally:

@@ -759,8 +759,12 @@ def _small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> b
         return False
     if module.startswith("pandas"):
         return _small_frame(value)
+    if t in (types.FunctionType, type) and (
+        "<" in value.__qualname__ or getattr(value, "__closure__", None)
+    ):
+        return False  # a lambda, a closure or a local class: pickled by value, with what it holds
     if t is types.FunctionType:
-        return True
+        return True  # pickled by reference (its module and name)
     if t is type:
         return _plain_class(value)
     # An instance of a class of the person's own, holding small values, pickled and shown the
