@@ -614,3 +614,45 @@ def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_pa
         assert target.read_text() == "abc"
     finally:
         k.shutdown()
+
+
+def test_an_inline_snapshot_waits_for_another_process_writing(tmp_path):
+    """Kernels recording side by side (`jupyter themisto record`, inline snapshots): a write
+    lock held by another process while a snapshot is being written is waited for; the snapshot
+    is written, not failed with 'database is locked'."""
+    store_path = tmp_path / "shared.sqlite"
+    flag = tmp_path / "locked.flag"
+    k = RecordingKernel(
+        store_path,
+        ["--ThemistoRecorder.snapshot_mode=inline", "--ThemistoRecorder.max_variable_seconds=60"],
+    )
+    try:
+        k.run("import subprocess, sys, time, os")
+        # Another process takes the write lock for 2 s while the snapshot serializes `held`
+        # (whose pickling waits until the lock is held): the snapshot's writes come after.
+        locker = (
+            "import sqlite3, sys, time, pathlib\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('BEGIN IMMEDIATE')\n"
+            "pathlib.Path(sys.argv[2]).touch()\n"
+            "time.sleep(2)\n"
+            "c.execute('ROLLBACK')\n"
+        )
+        done = k.run(
+            "class _WaitsForTheLock:\n"
+            "    def __reduce__(self):\n"
+            "        end = time.monotonic() + 50\n"
+            f"        while not os.path.exists({str(flag)!r}) and time.monotonic() < end:\n"
+            "            time.sleep(0.01)\n"
+            "        return (int, ())\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {locker!r}, {str(store_path)!r}, "
+            f"{str(flag)!r}])\n"
+            "held = _WaitsForTheLock()"
+        )
+        row = k.wait_snapshot(done.msg_id)
+        assert flag.exists()
+        assert row["snapshot_status"] in ("ok", "partial"), row
+        assert k.variables(done.msg_id)["held"]["blob_hash"]
+        k.run("p.wait()")
+    finally:
+        k.shutdown()

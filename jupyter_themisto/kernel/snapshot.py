@@ -1018,7 +1018,13 @@ class SnapshotManager:
         if execution_id is None:
             return False  # not written (lost): nothing to attach a snapshot to
         self._count("inline")
-        self._writer(store).write(execution_id, variables, mode="inline")
+        # The person waits for an inline snapshot anyway: a write of another process (a kernel
+        # recording beside this one) is waited for, as the writer thread would, not a failure.
+        store.set_busy_timeout(writer.locked_retry_seconds)
+        try:
+            self._writer(store).write(execution_id, variables, mode="inline")
+        finally:
+            store.set_busy_timeout(0)  # this thread's writes never wait (RecordWriter._direct)
         return True
 
     def _may_have_changed_in_place(self) -> bool:
