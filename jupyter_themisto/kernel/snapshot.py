@@ -1047,8 +1047,8 @@ class SnapshotManager:
         r = self.recorder
         budget = r.small_snapshot_seconds
         started = time.perf_counter()
-        # Only with every earlier snapshot written (no child running: its rows are what an
-        # unchanged variable reuses) and the execution's row written (the writer is idle).
+        # Called with no child running (the earlier snapshots' rows, which an unchanged variable
+        # reuses, are written); the execution's row must be written too (the writer idle).
         if r.writer is None:
             return False
         r.writer.wait_idle(budget)
