@@ -460,7 +460,11 @@ def test_a_kernel_killed_before_its_snapshot_leaves_no_pending_for_ever(tmp_path
     """Killed (SIGKILL) in the moment between a reply and its snapshot: the next kernel on the
     store marks that snapshot failed, naming the kernel."""
     store_path = tmp_path / "dead-kernel.sqlite"
-    first = RecordingKernel(store_path, ["--ThemistoRecorder.snapshot_delay=600"])
+    # No snapshot for 600 s, even if the kernel took over snapshot_max_deferral to start.
+    first = RecordingKernel(
+        store_path,
+        ["--ThemistoRecorder.snapshot_delay=600", "--ThemistoRecorder.snapshot_max_deferral=600"],
+    )
     try:
         done = first.send("x = 41 + 1")
         row = _pending_row(store_path, done)
