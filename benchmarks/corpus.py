@@ -454,6 +454,17 @@ def ensure_recorded(
     return store
 
 
+def listed_trajectories(store: Path) -> list[str] | None:
+    """The ids of the store's trajectories whose notebooks the manifest lists now (a store
+    recorded from an older manifest may hold notebooks pruned since), by the sidecar's
+    results; None when the store has no sidecar (not recorded by this script)."""
+    results = recording_results(store)
+    if not results:
+        return None
+    listed = {f"{r['repo']}:{n}" for r in load_manifest()["repositories"] for n in r["notebooks"]}
+    return [r["trajectory_id"] for r in results if r.get("key") in listed and "trajectory_id" in r]
+
+
 def recording_results(store: Path) -> list[dict[str, Any]]:
     """The per-notebook results `ensure_recorded` / `record --store` saved beside the store."""
     try:

@@ -4,46 +4,88 @@ and the live setting; prints the table and the issue's figures.
 The whole research pipeline through the real CLI: `jupyter themisto record` re-executes the
 notebooks into a store — by default the benchmark corpus (benchmarks/corpus.json, real public
 notebooks written by others, recorded by benchmarks/corpus.py), or the notebooks named, or a
-store recorded before (--store); `export` writes one dump per notebook and, beside it, one of
-all the other notebooks; `evaluate` runs every backend on every task, with and without the
-runtime summary, in each setting — `trajectory` (the executions before the target only) and
-`live` (also what the browser sends: the notebook's markdown above the target and the cells
-below it) — leave-one-notebook-out: a backend that learns from history (retrieval, ret-train,
-the retrieved candidates of a local model) may use the other notebooks (`--train`), never the
-evaluated one. The runs of all notebooks go to one results folder, so the table (exact match,
-ROUGE-L, chrF, BLEU, API precision/recall) covers them all.
+store recorded before (--store); `export` writes one dump of them all; `evaluate
+--leave-one-out` runs every backend on every task, with and without the runtime summary, in
+each setting — `trajectory` (the executions before the target only) and `live` (also what the
+browser sends: the notebook's markdown above the target and the cells below it) — where a
+backend that learns from history (retrieval, ret-train, the retrieved stand-ins of a local
+model) may use every other notebook, never the evaluated one. Each notebook's instances run in
+the order they were executed (a local model's prompt cache serves them), one at a time. The
+table covers exact match, ROUGE-L, chrF, BLEU and API precision/recall; below it, the issue's
+next-cell figures with paired bootstrap intervals (the same instances), the machine's load and
+how many answers the backend's time limit ended.
 
     .venv/bin/python benchmarks/model_quality.py [--backends repeat-previous,llamacpp]
-        [--tasks next-cell] [--settings trajectory,live] [-o llamacpp:model_path=qwen.gguf]
-        [--store trajectories.sqlite] [--out DIR] [notebooks...]
+        [--tasks next-cell] [--settings trajectory,live] [--limit 1200]
+        [-o llamacpp:n_threads=1] [--store trajectories.sqlite] [--out DIR] [notebooks...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from jupyter_themisto.store.trajectory_store import TrajectoryStore
+
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "jupyter_themisto.cli"]
 
 
 def run(*args: str) -> str:
+    """Run a CLI command; a failure is reported and the benchmark goes on (evaluate exits 1
+    when some examples failed: a rerun retries only those)."""
     start = time.perf_counter()
-    out = subprocess.run([*CLI, *args], check=True, stdout=subprocess.PIPE, text=True).stdout
-    print(f"   {' '.join(args[:6])} … ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    return out
+    done = subprocess.run([*CLI, *args], stdout=subprocess.PIPE, text=True)
+    took = time.perf_counter() - start
+    print(f"   {' '.join(args[:8])} … ({took:.1f} s, exit {done.returncode})", file=sys.stderr)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(args[:3])} failed (exit {done.returncode})")
+    return done.stdout
 
 
-def figures(summary: dict, model: str) -> list[str]:
+def paired_bootstrap(
+    a: list[float], b: list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """Mean of `b - a` over paired instances and its 95 % bootstrap interval."""
+    diffs = [y - x for x, y in zip(a, b, strict=True)]
+    if not diffs:
+        return 0.0, 0.0, 0.0
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
+    return sum(diffs) / n, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def chrf_by_id(results: Path, name: str) -> dict[str, float]:
+    path = results / f"{name}.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["id"]: 100 * r["scores"]["chrf"] for r in rows if "scores" in r}
+
+
+def compare(results: Path, base: str, other: str) -> str:
+    """`other` - `base` in chrF on the instances both scored, with its interval."""
+    a, b = chrf_by_id(results, base), chrf_by_id(results, other)
+    ids = sorted(set(a) & set(b))
+    if not ids:
+        return "n/a"
+    mean, low, high = paired_bootstrap([a[i] for i in ids], [b[i] for i in ids])
+    return f"{mean:+.1f} chrF [95 % CI {low:+.1f}, {high:+.1f}] on {len(ids)} paired instances"
+
+
+def figures(summary: dict, model: str, results: Path) -> list[str]:
     """The issue's figures for next-cell: `model` against repeat-previous, runtime on/off."""
     runs = {
-        (s["backend"], s["with_runtime"], s.get("setting", "trajectory")): s["metrics"]
-        for s in summary["runs"].values()
+        (s["backend"], s["with_runtime"], s.get("setting", "trajectory")): (name, s)
+        for name, s in summary["runs"].items()
         if s["task"] == "next-cell"
     }
     lines = []
@@ -51,18 +93,68 @@ def figures(summary: dict, model: str) -> list[str]:
         base = runs.get(("repeat-previous", False, setting)) or runs.get(
             ("repeat-previous", True, setting)
         )
-        with_rt = runs.get((model, True, setting))
-        without = runs.get((model, False, setting))
-        if not with_rt:
-            continue
-        chrf, em = 100 * with_rt["chrf"], 100 * with_rt["exact_match"]
-        line = f"next cell, {setting} setting, {model} with runtime: chrF {chrf:.1f}, EM {em:.1f} %"
-        if base:
-            line += f"; {chrf - 100 * base['chrf']:+.1f} chrF over repeat-previous"
-        if without:
-            line += f"; {chrf - 100 * without['chrf']:+.1f} chrF over without runtime"
-        lines.append(line)
+        for with_runtime in (True, False):
+            found = runs.get((model, with_runtime, setting))
+            if not found:
+                continue
+            name, s = found
+            m = s["metrics"]
+            label = "with" if with_runtime else "without"
+            line = (
+                f"next cell, {setting} setting, {model} {label} runtime: n {s['n']},"
+                f" chrF {100 * m['chrf']:.1f}, EM {100 * m['exact_match']:.1f} %,"
+                f" {s.get('n_no_prediction', 0)} without a suggestion,"
+                f" {s.get('n_timed_out', 0)} ended by the time limit,"
+                f" mean {s.get('mean_latency') or 0:.2f} s"
+            )
+            lines.append(line)
+            if base:
+                lines.append(f"    over repeat-previous: {compare(results, base[0], name)}")
+        with_rt, without = runs.get((model, True, setting)), runs.get((model, False, setting))
+        if with_rt and without:
+            lines.append(
+                f"    {setting}: with runtime over without: "
+                + compare(results, without[0], with_rt[0])
+            )
     return lines
+
+
+def unknown_names(dump: Path, results: Path, name: str) -> str | None:
+    """How many of a with-runtime next-cell run's answers read names the live kernel lacks
+    (backends/checks.py: NameError, a list's missing attribute, a DataFrame's missing column
+    when run), and their chrF beside the others': the room a runtime check has to help."""
+    from jupyter_themisto.backends.checks import unknown_references
+    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+
+    path = results / f"{name}.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "scores" in r and r["prediction"].strip()]
+    if not rows:
+        return None
+    manifest = read_manifest(dump)
+    contexts = DumpContexts(read_table(dump, manifest, "executions"), 3000)
+    instances = {i["id"]: i for i in read_table(dump, manifest, "next_cell")}
+    flagged, clean = [], []
+    for r in rows:
+        found = unknown_references(r["prediction"], contexts.build(instances[r["id"]], True))
+        if found is not None:
+            (flagged if found else clean).append(100 * r["scores"]["chrf"])
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return (
+        f"    answers reading names the kernel lacks: {len(flagged)} of {len(rows)}"
+        f" (chrF {mean(flagged):.1f}; the {len(clean)} that read none: {mean(clean):.1f};"
+        f" {len(rows) - len(flagged) - len(clean)} could not be told)"
+    )
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return (
+        f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min), {os.cpu_count()} cores"
+    )
 
 
 def main() -> None:
@@ -71,16 +163,24 @@ def main() -> None:
     p.add_argument("--backends", default="repeat-previous,retrieval,llamacpp")
     p.add_argument("--tasks", default="next-cell,output")
     p.add_argument("--settings", default="trajectory,live")
+    p.add_argument("--runtime", default="with,without", help="with, without or both")
     p.add_argument(
         "-o",
         "--option",
         action="append",
         default=[],
         metavar="BACKEND:KEY=VALUE",
-        help="a backend setting for evaluate, e.g. llamacpp:model_path=~/qwen.gguf",
+        help="a backend setting for evaluate, e.g. llamacpp:n_threads=1",
     )
     p.add_argument("--store", type=Path, default=None, help="use this recorded store as it is")
     p.add_argument("--min-context", type=int, default=1)
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="the first N instances of each task (whole notebooks in trajectory-id order,"
+        " i.e. a fixed pseudo-random choice of notebooks)",
+    )
     p.add_argument("--out", type=Path, default=None, help="keep the store, dumps and results here")
     args = p.parse_args()
     options: dict[str, list[str]] = {}
@@ -89,61 +189,68 @@ def main() -> None:
         if not sep:
             p.error(f"-o wants BACKEND:KEY=VALUE, not {item!r}")
         options.setdefault(backend, []).extend(["-o", setting])
+    print(f"start: {load()}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         out = args.out or Path(d)
         out.mkdir(parents=True, exist_ok=True)
         store_file = args.store or out / "trajectories.sqlite"
         store = ["--store", str(store_file)]
-        if args.store is None and not (out / "dumps").exists():
+        dump = out / "dump"
+        sys.path.insert(0, str(HERE))
+        import corpus  # benchmarks/corpus.py: materializes and records the corpus
+
+        if args.store is None and not dump.exists():
             if args.notebooks:
                 run(*store, "record", "--allow-errors", *map(str, args.notebooks))
             else:
-                sys.path.insert(0, str(HERE))
-                import corpus  # benchmarks/corpus.py: materializes and records the corpus
-
                 corpus.ensure_recorded(store_file)
-        ids = [t["id"] for t in json.loads(run(*store, "list", "--json"))]
-        for tid in ids:
-            for name, chosen in ((tid, [tid]), (f"rest-{tid}", [i for i in ids if i != tid])):
-                if not (out / "dumps" / name).exists():
-                    run(
-                        *store,
-                        "export",
-                        "--out",
-                        str(out / "dumps" / name),
-                        "--trajectory",
-                        *chosen,
-                    )
+        if not dump.exists():
+            # export opens the store read-only: bring a store recorded by an older version to
+            # this version's schema first (what any writer of it would do).
+            TrajectoryStore(store_file).close()
+            # A corpus store recorded from an older manifest: only the notebooks listed now.
+            chosen = None if args.notebooks else corpus.listed_trajectories(store_file)
+            only = ["--trajectory", *chosen] if chosen else []
+            run(*store, "export", "--out", str(dump), *only)
         results = out / "results"
+        limit = ["--limit", str(args.limit)] if args.limit else []
+        runtimes = [r.strip() for r in args.runtime.split(",")]
         for task in args.tasks.split(","):
             for backend in args.backends.split(","):
                 for setting in args.settings.split(","):
-                    for runtime in ("--with-runtime", "--without-runtime"):
-                        for tid in ids:
-                            run(
-                                "evaluate",
-                                str(out / "dumps" / tid),
-                                "--train",
-                                str(out / "dumps" / f"rest-{tid}"),
-                                "--out",
-                                str(results),
-                                "--backend",
-                                backend,
-                                "--task",
-                                task,
-                                "--setting",
-                                setting,
-                                "--min-context",
-                                str(args.min_context),
-                                runtime,
-                                *options.get(backend, []),
-                            )
+                    for runtime in runtimes:
+                        run(
+                            "evaluate",
+                            str(dump),
+                            "--leave-one-out",
+                            "--out",
+                            str(results),
+                            "--backend",
+                            backend,
+                            "--task",
+                            task,
+                            "--setting",
+                            setting,
+                            "--min-context",
+                            str(args.min_context),
+                            "--concurrency",
+                            "1",
+                            f"--{runtime}-runtime",
+                            *limit,
+                            *options.get(backend, []),
+                        )
         print((results / "results.md").read_text())
         summary = json.loads((results / "summary.json").read_text())
         for backend in args.backends.split(","):
             if backend != "repeat-previous":
-                for line in figures(summary, backend):
+                for line in figures(summary, backend, results):
                     print(line)
+                for name, s in summary["runs"].items():
+                    if s["backend"] == backend and s["with_runtime"] and s["task"] == "next-cell":
+                        line = unknown_names(dump, results, name)
+                        if line:
+                            print(f"{name}:\n{line}")
+        print(f"end: {load()}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from model_quality import load, paired_bootstrap  # (benchmarks/, beside this script)
+
 from jupyter_themisto import metrics as M
 from jupyter_themisto.backends import NoPrediction, create_backend
 from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
@@ -109,6 +111,7 @@ async def run_variant(
                 continue
             ctx = contexts.build(inst, with_runtime)
             started = time.perf_counter()
+            timed_out = getattr(backend, "timed_out", 0)
             text = ""
             try:
                 async for chunk in backend.predict_next_cell(ctx, n=1):
@@ -123,6 +126,8 @@ async def run_variant(
                 "latency": round(time.perf_counter() - started, 3),
                 "scores": M.score(text, inst["target"], "next-cell"),
             }
+            if getattr(backend, "timed_out", 0) > timed_out:
+                row["timed_out"] = True  # an answer ended by suggestion_timeout
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows.append(row)
@@ -141,19 +146,22 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         "ROUGE-L": 100 * (m.get("rouge_l") or 0.0),
         "API R": 100 * (m.get("api_recall") or 0.0),
         "median s": latencies[len(latencies) // 2] if latencies else 0.0,
+        "timed out %": 100 * sum(1 for r in rows if r.get("timed_out")) / max(1, len(rows)),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dump", type=Path)
-    p.add_argument("--model", required=True, help="GGUF file for the llamacpp backend")
+    p.add_argument(
+        "--model", default=None, help="a GGUF file (default: the llamacpp backend's own model)"
+    )
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-notebook", type=int, default=20, help="consecutive instances each")
     p.add_argument("--setting", choices=("trajectory", "live"), default="trajectory")
     p.add_argument("--out", type=Path, default=Path("ablation"))
-    p.add_argument("--n-ctx", type=int, default=4096)
+    p.add_argument("--n-ctx", type=int, default=None, help="default: the backend's")
     p.add_argument(
         "--threads",
         type=int,
@@ -179,6 +187,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     n_notebooks = len({i["trajectory_id"] for i in instances})
     print(f"{len(instances)} instances from {n_notebooks} notebooks, setting {args.setting}")
+    print(f"start: {load()}")
     table = []
     base = asyncio.run(
         run_variant(
@@ -186,8 +195,13 @@ def main() -> None:
         )
     )
     table.append(("repeat-previous", summary(base)))
+    all_rows = {"repeat-previous": base}
     for name, (settings, with_runtime) in variants.items():
-        settings = {"model_path": args.model, "n_ctx": args.n_ctx, **settings}
+        settings = dict(settings)
+        if args.model:
+            settings["model_path"] = args.model
+        if args.n_ctx:
+            settings["n_ctx"] = args.n_ctx
         if args.threads:
             settings["n_threads"] = args.threads
         rows = asyncio.run(
@@ -201,11 +215,21 @@ def main() -> None:
             )
         )
         table.append((name, summary(rows)))
+        all_rows[name] = rows
+    print(f"end: {load()}")
+    # Each variant against the first one (the reference), on the same instances.
+    ref_name = next(iter(variants))
+    ref = [100 * r["scores"]["chrf"] for r in all_rows[ref_name]]
     keys = list(table[0][1])
-    print("| variant | " + " | ".join(keys) + " |")
-    print("|---|" + "---|" * len(keys))
+    print("| variant | " + " | ".join(keys) + f" | Δ chrF vs {ref_name} [95 % paired bootstrap] |")
+    print("|---|" + "---|" * (len(keys) + 1))
     for name, s in table:
-        print(f"| {name} | " + " | ".join(f"{s[k]:.1f}" for k in keys) + " |")
+        chrf = [100 * r["scores"]["chrf"] for r in all_rows[name]]
+        delta = "—"
+        if name != ref_name:
+            mean, low, high = paired_bootstrap(ref, chrf)
+            delta = f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]"
+        print(f"| {name} | " + " | ".join(f"{s[k]:.1f}" for k in keys) + f" | {delta} |")
 
 
 if __name__ == "__main__":

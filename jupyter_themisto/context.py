@@ -4,6 +4,8 @@ How a context becomes a model's prompt is jupyter_themisto.backends.prompts' job
 
 from __future__ import annotations
 
+import ast
+import builtins
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,9 @@ class PredictionContext:
     kernel_id: str | None = None
     #: executions run after the one whose snapshot gave `variables` (0: the summary is current)
     runtime_lag: int = 0
+    #: every name the kernel has bound as far as the runtime information tells (the snapshot's
+    #: variables, whatever the executed cells bound, builtins); None: not known
+    defined_names: frozenset[str] | None = None
 
 
 def outputs_to_text(outputs: Sequence[dict[str, Any]], limit: int = 2000) -> str:
@@ -92,6 +97,72 @@ _NOISE_TYPES = ("module", "function", "builtin_function_or_method", "type", "met
 def estimate_tokens(text: str) -> int:
     """A cheap, model-free token estimate."""
     return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+
+
+#: names every IPython kernel has without a cell binding them
+KERNEL_NAMES = frozenset(dir(builtins)) | {
+    "get_ipython",
+    "display",
+    "In",
+    "Out",
+    "exit",
+    "quit",
+    "_",
+    "__",
+    "___",
+    "_i",
+    "_ii",
+    "_iii",
+    "__name__",
+    "__file__",
+    "__builtins__",
+}
+
+
+def parse_cell(source: str) -> ast.Module | None:
+    """A cell's code as Python syntax (IPython's `%magic` and `!shell` lines blanked), or None."""
+    lines = source.splitlines()
+    if lines and lines[0].lstrip().startswith("%%"):
+        return None  # a cell magic: not Python
+    kept = ["" if line.lstrip().startswith(("%", "!")) else line for line in lines]
+    try:
+        return ast.parse("\n".join(kept))
+    except (SyntaxError, ValueError):
+        return None
+
+
+def bound_names(tree: ast.AST) -> set[str]:
+    """Every name `tree` binds anywhere (assignments, imports, definitions and their parameters,
+    loop/with/except targets, comprehension variables); "*" after `from m import *`."""
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.alias):
+            out.add("*" if n.name == "*" else (n.asname or n.name).split(".")[0])
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            out.add(n.name)
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            out.update(n.names)
+        elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+            out.add(n.name)
+        elif isinstance(n, ast.MatchMapping) and n.rest:
+            out.add(n.rest)
+    return out
+
+
+def defined_names(sources: Iterable[str], variables: Iterable[str]) -> frozenset[str]:
+    """The names a kernel has after running `sources`, with the snapshot's `variables`."""
+    names = set(KERNEL_NAMES) | set(variables)
+    for source in sources:
+        tree = parse_cell(source)
+        if tree is not None:
+            names |= bound_names(tree)
+    return frozenset(names)
 
 
 def truncate_text(text: str, limit: int) -> str:
@@ -271,6 +342,9 @@ def build_context(
                 changed_at=changed_at,
             )
         )
+    names = None
+    if with_runtime:
+        names = defined_names((r.get("source") or "" for r in rows), (v.name for v in infos))
     budget = token_budget
     if with_runtime:
         runtime_budget = None if budget is None else int(budget * RUNTIME_SHARE)
@@ -338,5 +412,6 @@ def build_context(
         variables=infos,
         with_runtime=with_runtime,
         target_source=target_source,
+        defined_names=names,
         **ids,
     )

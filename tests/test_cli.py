@@ -419,6 +419,23 @@ def test_evaluate_retrieval_and_baselines(dump, tmp_path):
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_evaluate_refuses_unknown_and_mistyped_backend_settings(dump, tmp_path):
+    out = tmp_path / "e"
+    for option, expected in [
+        ("max_trajectorys=5", "retrieval backend settings: max_trajectorys: unknown setting"),
+        ('max_trajectories="many"', "max_trajectories: Input should be a valid integer"),
+        ("context_cells=0", "context_cells: Input should be greater than or equal to 1"),
+    ]:
+        r = cli(
+            "evaluate", str(dump), "--backend", "retrieval", "--task", "next-cell",
+            "-o", option, "--out", str(out),
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith("jupyter-themisto: error: ") and expected in r.stderr
+        assert "Traceback" not in r.stderr
+    assert not out.exists()  # refused before anything was written
+
+
 def test_evaluate_ret_train_learns_from_a_train_dump(recorded, tmp_path):
     store = _store(recorded)
     trajs = _by_notebook(store)
@@ -447,6 +464,39 @@ def test_evaluate_ret_train_learns_from_a_train_dump(recorded, tmp_path):
     # is a cell of the *training* notebook.
     predicted = {r["prediction"] for r in rows if r["prediction"]}
     assert predicted and predicted <= set(ANALYSIS)
+
+
+def test_evaluate_leave_one_out_never_lends_a_notebook_its_own_cells(recorded, dump, tmp_path):
+    """--leave-one-out: the dump is the history, minus the notebook being evaluated."""
+    out = tmp_path / "loo"
+    r = cli(
+        "evaluate",
+        str(dump),
+        "--backend",
+        "ret-train",
+        "--task",
+        "next-cell",
+        "--leave-one-out",
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    trajs = _by_notebook(_store(recorded))
+    own = {trajs["analysis.ipynb"]["id"]: ANALYSIS, trajs["second.ipynb"]["id"]: SECOND}
+    other = {trajs["analysis.ipynb"]["id"]: SECOND, trajs["second.ipynb"]["id"]: ANALYSIS}
+    rows = [json.loads(x) for x in (out / "next-cell__ret-train__with-runtime.jsonl").open()]
+    assert {r["trajectory_id"] for r in rows} == set(own)
+    for row in rows:
+        if row["prediction"]:
+            # Every prediction is a cell of the *other* notebook.
+            assert row["prediction"] in other[row["trajectory_id"]]
+    assert any(r["prediction"] and r["prediction"] not in own[r["trajectory_id"]] for r in rows)
+    # In the order each notebook ran (the prompt cache of a local model serves them).
+    keys = [(r["trajectory_id"], r["order_index"]) for r in rows]
+    assert keys == sorted(keys)
+    r = cli("evaluate", str(dump), "--backend", "ret-train", "--task", "next-cell",
+            "--leave-one-out", "--train", str(dump))  # fmt: skip
+    assert r.returncode == 2 and "no --train with it" in r.stderr
 
 
 def _slow_peer(delay: float, state: dict):

@@ -251,19 +251,22 @@ def test_network_connections_are_stopped(kernel):
 
 def test_processes_run_inside_the_namespaces_and_end_with_it(kernel, workdir):
     marker = workdir / "subprocess-ran.txt"
+    seconds = f"{1000 + os.getpid() % 1000}.{time.time_ns() % 1000}"  # this test's own sleeper
     reply = kernel.preview(
         f"import subprocess, os\nsubprocess.run(['touch', {str(marker)!r}])\n"
         f"print(os.path.exists({str(marker)!r}))\n"
-        "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        f"subprocess.Popen(['sleep', {seconds!r}], start_new_session=True)\n"
         "print(subprocess.run(['ps', '-e', '-o', 'pid=,comm='], capture_output=True, text=True)"
         ".stdout.split())"
     )
     assert text_of(reply) == "True\n['1', 'python', '3', 'sleep', '4', 'ps']\n", reply
     assert not marker.exists()
     sleepers = [
-        p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]
+        p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", seconds]
     ]
-    assert sleepers == []
+    # Killing the namespace's first process kills the rest; Linux does it asynchronously.
+    _, alive = psutil.wait_procs(sleepers, timeout=10)
+    assert alive == []
 
 
 def test_endless_loop_is_killed_and_kernel_goes_on(kernel):

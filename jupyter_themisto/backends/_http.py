@@ -10,11 +10,13 @@ import re
 import time
 import zlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
+from pydantic import Field, SecretStr
 
 from .base import BackendError, BackendTimeout, BackendUnavailable, Predictor
+from .settings import BackendSettings
 
 # Statuses worth another attempt: rate limits and transient server trouble (529: Anthropic
 # "overloaded").
@@ -176,16 +178,62 @@ def parse_json(data: str, what: str) -> Any:
         raise BackendError(f"the model server sent malformed JSON in {what}: {e}") from e
 
 
+class HTTPSettings(BackendSettings):
+    """Settings of the HTTP model backends (`openai`, `anthropic`)."""
+
+    base_url: str | None = Field(
+        None, description="the model server's URL (else the backend's environment variable)"
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="the API key (else the backend's environment variable; best left there);"
+        " never logged, returned or sent to the browser",
+    )
+    model: str = Field("", description="the model to ask")
+    timeout: float = Field(30.0, gt=0, description="seconds to wait for a byte of the answer")
+    connect_timeout: float = Field(5.0, gt=0, description="seconds to wait for the connection")
+    max_retries: int = Field(
+        2,
+        ge=0,
+        description="retries on 408/409/429/5xx and connection failures, before the first byte"
+        " of an answer only",
+    )
+    backoff: float = Field(
+        0.5,
+        ge=0,
+        description="seconds before the first retry, doubled each retry (a"
+        " `Retry-After` of the server is honoured)",
+    )
+    max_backoff: float = Field(
+        20.0, ge=0, description="longest wait honoured: a longer `Retry-After` fails at once"
+    )
+    max_tokens: int = Field(256, ge=1, description="tokens of one answer")
+    temperature: float = Field(
+        0.2, ge=0, description="sampling temperature (a ranked list of n > 1 asks at least 0.7)"
+    )
+    max_line_bytes: int = Field(
+        MAX_LINE_BYTES,
+        gt=0,
+        description="longest line of the answer: past it reading stops with an error",
+    )
+    max_event_bytes: int = Field(
+        MAX_EVENT_BYTES,
+        gt=0,
+        description="biggest server-sent event of the answer: past it reading stops",
+    )
+    max_response_bytes: int = Field(
+        MAX_RESPONSE_BYTES,
+        gt=0,
+        description="most bytes of one answer (after decompression): past it reading stops",
+    )
+
+
 class HTTPPredictor(Predictor):
-    """Base of backends that talk to a model server over HTTP with httpx.
+    """Base of backends that talk to a model server over HTTP with httpx (settings:
+    `HTTPSettings`)."""
 
-    Settings (all optional): base_url, api_key, model, timeout (seconds to wait for a byte),
-    connect_timeout, max_retries, backoff (first retry delay, doubled each time),
-    max_backoff (longest wait honoured; a longer Retry-After fails the request), max_tokens,
-    temperature, max_line_bytes / max_event_bytes / max_response_bytes (bounds on one line,
-    one event and the whole answer: past them reading stops with an error).
-    """
-
+    settings_model: ClassVar[type[BackendSettings] | None] = HTTPSettings
+    settings: HTTPSettings
     default_base_url = ""
     api_key_env = ""
     base_url_env = ""
@@ -195,26 +243,24 @@ class HTTPPredictor(Predictor):
         super().__init__(config, env)
         import os
 
-        c = self.config
+        s = self.settings
         self.base_url = str(
-            c.get("base_url") or os.environ.get(self.base_url_env) or self.default_base_url
+            s.base_url or os.environ.get(self.base_url_env) or self.default_base_url
         ).rstrip("/")
         # Kept on the instance only; never logged, never part of an error or health detail.
-        self._api_key = c.get("api_key") or os.environ.get(self.api_key_env) or ""
-        self.model = str(c.get("model") or self.default_model)
-        self.timeout = float(c.get("timeout", 30.0))
-        self.connect_timeout = float(c.get("connect_timeout", 5.0))
-        self.max_retries = int(c.get("max_retries", 2))
-        self.backoff = float(c.get("backoff", 0.5))
-        self.max_backoff = float(c.get("max_backoff", 20.0))
-        self.max_tokens = int(c.get("max_tokens", 256))
-        self.temperature = float(c.get("temperature", 0.2))
-        self.max_line_bytes = int(c.get("max_line_bytes", MAX_LINE_BYTES))
-        self.max_event_bytes = int(c.get("max_event_bytes", MAX_EVENT_BYTES))
-        self.max_response_bytes = int(c.get("max_response_bytes", MAX_RESPONSE_BYTES))
-        for name in ("max_line_bytes", "max_event_bytes", "max_response_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{self.name} backend: {name} must be positive")
+        given = s.api_key.get_secret_value() if s.api_key is not None else ""
+        self._api_key = given or os.environ.get(self.api_key_env) or ""
+        self.model = s.model or self.default_model
+        self.timeout = s.timeout
+        self.connect_timeout = s.connect_timeout
+        self.max_retries = s.max_retries
+        self.backoff = s.backoff
+        self.max_backoff = s.max_backoff
+        self.max_tokens = s.max_tokens
+        self.temperature = s.temperature
+        self.max_line_bytes = s.max_line_bytes
+        self.max_event_bytes = s.max_event_bytes
+        self.max_response_bytes = s.max_response_bytes
         self._client: httpx.AsyncClient | None = None
 
     # -- helpers -----------------------------------------------------------------------------

@@ -17,13 +17,17 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import Field
 
 from ..context import PredictionContext
 from ._text import AnswerBounds, FenceStripper, StopScanner, degenerate_reason, hold_back
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
-from .prompts import FimTokens, Prompt, PromptOptions, next_cell_prompt, output_prompt
+from .prompts import FimTokens, Prompt, PromptSettings, next_cell_prompt, output_prompt
 from .ranking import Candidate, normalized, rank, with_each_source
+from .retrieval import RetrievalSettings
+from .settings import BackendSettings
 
 
 @dataclass(frozen=True)
@@ -219,39 +223,56 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+class LocalModelSettings(PromptSettings):
+    """Settings of every backend that runs a model in this process (and the `prompt_*` ones)."""
+
+    max_tokens: int = Field(128, ge=1, description="tokens of a next-cell suggestion")
+    output_max_tokens: int = Field(128, ge=1, description="tokens of an output prediction")
+    max_lines: int = Field(30, ge=1, description="lines of one answer")
+    suggestion_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="seconds one answer may take from being asked for (what came by then is kept)",
+    )
+    temperature: float = Field(
+        0.0, ge=0, description="of the first suggestion and of output predictions (0: greedy)"
+    )
+    sample_temperature: float = Field(
+        0.8, ge=0, description="the 2nd… suggestions of a ranked list are sampled at this"
+    )
+    seed: int = Field(0, description="sampling seed")
+    retrieval: RetrievalSettings | None = Field(
+        None,
+        description="settings of the `retrieval` backend whose cells join a ranked list of"
+        " n > 1 suggestions",
+    )
+
+
 class LocalModelPredictor(Predictor):
-    """Base of backends that run a model in this process.
+    """Base of backends that run a model in this process (settings: `LocalModelSettings`).
 
     Subclasses implement `shared()` (the SharedModel, loaded on first use) and `produce()`
     (the text pieces of one Completion), or `run()` for engines that hand text to a callback,
     and may name the model's fill-in-the-middle tokens (`fim_tokens()`). Prompts come from
     `prompts.next_cell_prompt` / `prompts.output_prompt` (a percent-format script for the next
     cell, a console session for an output); both end at the next cell boundary.
-
-    Settings: max_tokens (next cell, default 128), output_max_tokens (default 128), max_lines
-    (of one answer, default 30), suggestion_timeout (seconds one answer may take, default 5),
-    temperature (default 0: greedy; later suggestions of a ranked list are sampled at
-    sample_temperature, default 0.8), seed (default 0), and the prompt_* settings of
-    `prompts.PromptOptions`.
     """
+
+    settings_model: ClassVar[type[BackendSettings] | None] = LocalModelSettings
+    settings: LocalModelSettings
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        c = self.config
-        self.max_tokens = int(c.get("max_tokens", 128))
-        self.output_max_tokens = int(c.get("output_max_tokens", 128))
-        self.max_lines = int(c.get("max_lines", 30))
-        self.suggestion_timeout = float(c.get("suggestion_timeout", 5.0))
-        self.temperature = float(c.get("temperature", 0.0))
-        self.sample_temperature = float(c.get("sample_temperature", 0.8))
-        self.seed = int(c.get("seed", 0))
-        self.prompt_options = PromptOptions.from_settings(c)
+        s = self.settings
+        self.max_tokens = s.max_tokens
+        self.output_max_tokens = s.output_max_tokens
+        self.max_lines = s.max_lines
+        self.suggestion_timeout = s.suggestion_timeout
+        self.temperature = s.temperature
+        self.sample_temperature = s.sample_temperature
+        self.seed = s.seed
+        self.prompt_options = s.prompt_options()
         self._retrieval: Predictor | None = None
-        for key in ("max_tokens", "output_max_tokens", "max_lines"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{self.name} backend: {key} must be at least 1")
-        if self.suggestion_timeout <= 0:
-            raise ValueError(f"{self.name} backend: suggestion_timeout must be > 0")
         #: answers ended by suggestion_timeout (for health details and tests)
         self.timed_out = 0
         #: warm-ups running, by notebook (kernel id, else path), and the one to run next
@@ -440,7 +461,9 @@ class LocalModelPredictor(Predictor):
         if self._retrieval is None:
             from .retrieval import RetrievalPredictor
 
-            self._retrieval = RetrievalPredictor(self.config.get("retrieval") or {}, self.env)
+            given = self.settings.retrieval
+            own = given.model_dump(exclude_unset=True) if given is not None else {}
+            self._retrieval = RetrievalPredictor(own, self.env)
         try:
             found = [c async for c in self._retrieval.predict_next_cell(ctx, n=n)]
         except NoPrediction:

@@ -5,30 +5,42 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import Field, SecretStr
+
 from ..context import PredictionContext
-from ._http import HTTPPredictor, parse_json
+from ._http import HTTPPredictor, HTTPSettings, parse_json
 from ._text import FenceStripper
-from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk
+from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
 ANTHROPIC_VERSION = "2023-06-01"
+DEFAULT_BASE_URL = "https://api.anthropic.com"
+DEFAULT_MODEL = "claude-3-5-haiku-latest"
+
+
+class AnthropicSettings(HTTPSettings):
+    base_url: str | None = Field(
+        None, description=f"else `$ANTHROPIC_BASE_URL`, else `{DEFAULT_BASE_URL}`"
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="else `$ANTHROPIC_API_KEY`; never logged, returned or sent to the browser",
+    )
+    model: str = Field(DEFAULT_MODEL, description="the model to ask")
 
 
 class AnthropicPredictor(HTTPPredictor):
-    """Messages API with `stream: true`.
-
-    Settings: api_key (else $ANTHROPIC_API_KEY), base_url (else $ANTHROPIC_BASE_URL, else
-    https://api.anthropic.com), model, max_tokens, temperature, timeout, connect_timeout,
-    max_retries, backoff, max_backoff. The API returns one answer per request, so a next-cell
-    request yields one suggestion whatever `n` asks.
-    """
+    """Messages API with `stream: true` (settings: `AnthropicSettings`). The API returns one
+    answer per request, so a next-cell request yields one suggestion whatever `n` asks."""
 
     name = "anthropic"
     description = "Anthropic Messages API (Claude), streamed"
-    default_base_url = "https://api.anthropic.com"
+    default_base_url = DEFAULT_BASE_URL
     api_key_env = "ANTHROPIC_API_KEY"
     base_url_env = "ANTHROPIC_BASE_URL"
-    default_model = "claude-3-5-haiku-latest"
+    default_model = DEFAULT_MODEL
+    settings_model = AnthropicSettings
+    settings: AnthropicSettings
 
     def headers(self) -> dict[str, str]:
         return {"x-api-key": self._api_key, "anthropic-version": ANTHROPIC_VERSION}
@@ -41,7 +53,7 @@ class AnthropicPredictor(HTTPPredictor):
             }
         return {"ok": True, "detail": f"model {self.model} at {self.base_url}"}
 
-    async def _stream(self, ctx: PredictionContext, task: str) -> AsyncIterator[str]:
+    async def _stream(self, ctx: PredictionContext, task: Task) -> AsyncIterator[str]:
         self.require_key()
         instructions, prompt = render_prompt(ctx, task)
         payload = {

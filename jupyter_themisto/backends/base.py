@@ -5,11 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     from ..context import PredictionContext
     from ..store import TrajectoryStore
+    from .settings import BackendSettings
+
+#: what a backend predicts
+Task = Literal["next-cell", "output"]
 
 
 @dataclass
@@ -75,21 +79,32 @@ class NoPrediction(Exception):  # noqa: N818 - a normal outcome, not an error
 class Predictor:
     """A prediction backend.
 
-    Subclasses set `name` and `description`, and override `predict_next_cell` and/or
-    `predict_output`. `config` holds the backend's own settings (from the server's traitlets
-    config or the CLI); secrets in it must never be logged or returned.
+    Subclasses set `name` and `description`, declare their settings as a pydantic model
+    (`settings_model`, a `BackendSettings`), and override `predict_next_cell` and/or
+    `predict_output`. `config` holds the backend's own settings as given (from the server's
+    traitlets config or the CLI), `settings` the same validated by `settings_model` (unknown
+    settings and wrong types raise InvalidSettings naming them); secrets in them must never be
+    logged or returned.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     #: which tasks the backend serves: "next-cell", "output"
-    tasks: ClassVar[tuple[str, ...]] = ("next-cell", "output")
+    tasks: ClassVar[tuple[Task, ...]] = ("next-cell", "output")
     #: True for a backend that runs the cell in the person's own kernel (the preview): it gets
     #: the context unscrubbed, as the cell really reads, and scrubs whatever it passes on
     #: (`env.scrub`). Every other backend gets only scrubbed contexts.
     sees_secrets: ClassVar[bool] = False
+    #: the backend's settings model; None (a third-party backend that declares none): its
+    #: settings are passed as given, unchecked
+    settings_model: ClassVar[type[BackendSettings] | None] = None
 
     def __init__(self, config: dict[str, Any] | None = None, env: BackendEnv | None = None):
+        from .settings import check_settings
+
+        self.settings: BackendSettings | None = check_settings(
+            self.name or type(self).__name__, self.settings_model, config
+        )
         self.config = dict(config or {})
         self.env = env or BackendEnv()
 

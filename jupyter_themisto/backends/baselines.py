@@ -26,8 +26,11 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from pydantic import Field
+
 from ..context import PredictionContext, outputs_to_text
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
+from .settings import BackendSettings
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
 _K1, _B = 1.5, 0.75
@@ -81,6 +84,7 @@ class RepeatPreviousPredictor(Predictor):
 
     name = "repeat-previous"
     description = "Baseline: repeats the previous cell (and its output)"
+    settings_model = BackendSettings
 
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
@@ -102,6 +106,7 @@ class RetContextPredictor(Predictor):
 
     name = "ret-context"
     description = "Baseline (JuICe Ret-Context): what followed a similar earlier cell here"
+    settings_model = BackendSettings
 
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
@@ -133,18 +138,24 @@ class RetContextPredictor(Predictor):
         yield OutputChunk(text=cells[ranked[0]][1])
 
 
-class RetTrainPredictor(Predictor):
-    """JuICe's Ret-Train over the other trajectories of the host's store.
+class RetTrainSettings(BackendSettings):
+    max_trajectories: int = Field(
+        1000, ge=1, description="most recorded trajectories drawn from (the newest)"
+    )
 
-    Settings: max_trajectories (newest first, default 1000).
-    """
+
+class RetTrainPredictor(Predictor):
+    """JuICe's Ret-Train over the other trajectories of the host's store (settings:
+    `RetTrainSettings`)."""
 
     name = "ret-train"
     description = "Baseline (JuICe Ret-Train): what followed a similar cell in other trajectories"
+    settings_model = RetTrainSettings
+    settings: RetTrainSettings
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        self.max_trajectories = int(self.config.get("max_trajectories", 1000))
+        self.max_trajectories = self.settings.max_trajectories
         self._lock = threading.Lock()
         self._built_for: int | None = None
         # next-cell pairs: (previous cell -> next cell); output pairs: (cell -> its output)

@@ -20,10 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field, field_validator, model_validator
+
 from . import model_files
 from ._local import (
     Completion,
     LocalModelPredictor,
+    LocalModelSettings,
     SharedModel,
     default_threads,
     loaded_model,
@@ -85,51 +88,82 @@ def cut_prompt(prompt: str, max_chars: int) -> str:
     return tail[newline + 1 :] if 0 <= newline < len(tail) - 1 else tail
 
 
-class LlamaCppPredictor(LocalModelPredictor):
-    """A GGUF model in process (llama.cpp through xllamacpp, extra `[llm]`).
+class LlamaCppSettings(LocalModelSettings):
+    model: str = Field(
+        model_files.DEFAULT_MODEL,
+        description="the model: "
+        + ", ".join(f"`{m}`" for m in model_files.MODELS)
+        + " (assembled once from the packages the `llm` extra installs)",
+    )
+    model_path: str | None = Field(None, description="any GGUF file instead of `model`")
+    n_ctx: int = Field(2048, ge=16, description="context window of one slot, in tokens")
+    parallel: int = Field(2, ge=1, description="slots: generations at once")
+    n_threads: int | None = Field(None, ge=0, description="threads (default: the usable cores)")
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="a longer prompt keeps its newest part; this bounds a cold first answer"
+        " (default: 1024, less if `n_ctx` minus the longest answer is less)",
+    )
+    cache_ram_mb: int = Field(
+        256, description="MB of earlier prompts' states kept in RAM for later requests"
+    )
+    flash_attn: bool = Field(False, description="llama.cpp's flash attention")
 
-    Settings: model (`qwen2.5-coder-0.5b`, the default, assembled once from the packages the
-    extra installs; or `smollm2-135m`, tiny), model_path (any GGUF file instead), n_ctx
-    (context window of one slot, default 2048), parallel (slots: generations at once, default
-    2), n_threads (default: the usable cores), max_prompt_tokens (a longer prompt keeps its
-    newest part; default 1024, which bounds a cold first answer), cache_ram_mb (prompt states
-    kept in RAM for later requests, default 256), flash_attn (default false), and those of every
-    local model backend (max_tokens, output_max_tokens, max_lines, suggestion_timeout,
-    temperature, sample_temperature, seed). The model is loaded once per process: on the first
-    request, or when the server starts if this is its default backend.
+    @field_validator("model", mode="before")
+    @classmethod
+    def _known_model(cls, value: Any) -> Any:
+        if value is None or value == "":
+            return model_files.DEFAULT_MODEL
+        if value not in model_files.MODELS:
+            known = ", ".join(model_files.MODELS)
+            raise ValueError(f"unknown model {value!r} ({known})")
+        return value
+
+    def prompt_budget(self) -> int:
+        """max_prompt_tokens, or its default."""
+        longest_answer = max(self.max_tokens, self.output_max_tokens)
+        return self.max_prompt_tokens or min(1024, self.n_ctx - longest_answer)
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> LlamaCppSettings:
+        longest_answer = max(self.max_tokens, self.output_max_tokens)
+        budget = self.prompt_budget()
+        if budget < 16 or budget + longest_answer > self.n_ctx:
+            raise ValueError(
+                f"max_prompt_tokens ({budget}) plus the longest answer ({longest_answer} tokens)"
+                f" must fit n_ctx ({self.n_ctx})"
+            )
+        return self
+
+
+class LlamaCppPredictor(LocalModelPredictor):
+    """A GGUF model in process (llama.cpp through xllamacpp, extra `[llm]`; settings:
+    `LlamaCppSettings`). The model is loaded once per process: on the first request, or when
+    the server starts if this is its default backend.
     """
 
     name = "llamacpp"
     description = "A local GGUF code model in process (llama.cpp); default: Qwen2.5-Coder-0.5B"
+    settings_model = LlamaCppSettings
+    settings: LlamaCppSettings
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        c = self.config
-        self.model_name = str(c.get("model") or model_files.DEFAULT_MODEL)
-        if self.model_name not in model_files.MODELS:
-            known = ", ".join(model_files.MODELS)
-            raise ValueError(f"llamacpp backend: unknown model {self.model_name!r} ({known})")
-        self.n_ctx = int(c.get("n_ctx", 2048))
-        self.parallel = int(c.get("parallel", 2))
-        self.n_threads = int(c.get("n_threads") or default_threads())
-        self.cache_ram_mb = int(c.get("cache_ram_mb", 256))
-        self.flash_attn = bool(c.get("flash_attn", False))
-        longest_answer = max(self.max_tokens, self.output_max_tokens)
-        default_prompt = min(1024, self.n_ctx - longest_answer)
-        self.max_prompt_tokens = int(c.get("max_prompt_tokens") or default_prompt)
-        if self.parallel < 1:
-            raise ValueError("llamacpp backend: parallel must be at least 1")
-        if self.max_prompt_tokens < 16 or self.max_prompt_tokens + longest_answer > self.n_ctx:
-            raise ValueError(
-                f"llamacpp backend: max_prompt_tokens ({self.max_prompt_tokens}) plus the longest"
-                f" answer ({longest_answer} tokens) must fit n_ctx ({self.n_ctx})"
-            )
+        s = self.settings
+        self.model_name = s.model
+        self.n_ctx = s.n_ctx
+        self.parallel = s.parallel
+        self.n_threads = s.n_threads or default_threads()
+        self.cache_ram_mb = s.cache_ram_mb
+        self.flash_attn = s.flash_attn
+        self.max_prompt_tokens = s.prompt_budget()
 
     # -- the model file ------------------------------------------------------------------------
 
     def model_path(self) -> Path:
         """The GGUF file to load (assembling the default model the first time)."""
-        configured = self.config.get("model_path")
+        configured = self.settings.model_path
         if configured:
             path = Path(os.path.expanduser(str(configured)))
             if not path.is_file():
@@ -278,7 +312,7 @@ class LlamaCppPredictor(LocalModelPredictor):
                 "ok": False,
                 "detail": "xllamacpp is not installed: pip install 'jupyter-themisto[llm]'",
             }
-        if self.config.get("model_path"):
+        if self.settings.model_path:
             try:
                 path = self.model_path()
             except BackendUnavailable as e:

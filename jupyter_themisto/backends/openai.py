@@ -3,39 +3,53 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr
 
 from ..context import PredictionContext
-from ._http import HTTPPredictor, parse_json
+from ._http import HTTPPredictor, HTTPSettings, parse_json
 from ._text import FenceStripper
-from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk
+from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
+DEFAULT_MODEL = "gpt-4o-mini"
+
+
+class OpenAISettings(HTTPSettings):
+    base_url: str | None = Field(
+        None, description=f"the server's URL; else `$OPENAI_BASE_URL`, else `{DEFAULT_BASE_URL}`"
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="else `$OPENAI_API_KEY` (a local server may need none); never logged,"
+        " returned or sent to the browser",
+    )
+    model: str = Field(DEFAULT_MODEL, description="the model to ask")
+    api: Literal["chat", "completions"] = Field(
+        "chat",
+        description="`chat` (chat completions) or `completions` (raw completions: suits base"
+        " models)",
+    )
 
 
 class OpenAIPredictor(HTTPPredictor):
-    """Chat completions (`api: "chat"`, default) or completions (`api: "completions"`), streamed.
-
-    Settings: base_url (else $OPENAI_BASE_URL, else OpenAI), api_key (else $OPENAI_API_KEY; a
-    local server may need none), model, api, max_tokens, temperature, timeout,
-    connect_timeout, max_retries, backoff, max_backoff.
-    """
+    """Chat completions (`api: "chat"`, default) or completions (`api: "completions"`), streamed
+    (settings: `OpenAISettings`)."""
 
     name = "openai"
     description = "Any OpenAI-compatible chat/completions server (OpenAI, vLLM, Ollama, llama.cpp)"
     default_base_url = DEFAULT_BASE_URL
     api_key_env = "OPENAI_API_KEY"
     base_url_env = "OPENAI_BASE_URL"
-    default_model = "gpt-4o-mini"
+    default_model = DEFAULT_MODEL
+    settings_model = OpenAISettings
+    settings: OpenAISettings
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        self.api = str(self.config.get("api", "chat"))
-        if self.api not in ("chat", "completions"):
-            raise ValueError(
-                f"openai backend: api must be 'chat' or 'completions', not {self.api!r}"
-            )
+        self.api = self.settings.api
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
@@ -48,7 +62,7 @@ class OpenAIPredictor(HTTPPredictor):
             return {"ok": False, "detail": "no API key: set OPENAI_API_KEY or the api_key setting"}
         return {"ok": True, "detail": f"{self.api} API, model {self.model} at {self.base_url}"}
 
-    def _payload(self, ctx: PredictionContext, task: str, n: int) -> tuple[str, dict[str, Any]]:
+    def _payload(self, ctx: PredictionContext, task: Task, n: int) -> tuple[str, dict[str, Any]]:
         instructions, prompt = render_prompt(ctx, task)
         payload: dict[str, Any] = {
             "model": self.model,
@@ -71,7 +85,7 @@ class OpenAIPredictor(HTTPPredictor):
         return "/completions", payload
 
     async def _stream(
-        self, ctx: PredictionContext, task: str, n: int
+        self, ctx: PredictionContext, task: Task, n: int
     ) -> AsyncIterator[tuple[int, str | None]]:
         """(choice index, text delta or None when that choice finished)."""
         if self._needs_key():

@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 from jupyter_client.session import Session
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ..context import PredictionContext, outputs_to_text
 from .base import (
@@ -26,14 +27,57 @@ from .base import (
     OutputChunk,
     Predictor,
 )
+from .settings import BackendSettings, problems
+
+
+class PreviewSettings(BackendSettings):
+    timeout: float = Field(5.0, gt=0, description="seconds the preview may take (wall clock)")
+    memory_mb: int = Field(
+        1024, gt=0, description="memory the preview may take beyond the kernel's, in MB"
+    )
+    cpu_seconds: int = Field(10, gt=0, description="CPU seconds the preview may use")
+    busy_wait: float = Field(
+        1.0,
+        ge=0,
+        description='seconds to wait for a busy kernel to become idle before answering "kernel'
+        ' busy"',
+    )
+    fallback: str | None = Field(
+        None, description="the backend that answers when a preview is stopped (by name)"
+    )
+    fallback_config: dict[str, Any] | None = Field(
+        None,
+        description="the fallback's own settings (default: the server's settings and instance"
+        " of that backend)",
+    )
+
+    @field_validator("fallback")
+    @classmethod
+    def _not_itself(cls, value: str | None) -> str | None:
+        if value == "preview":
+            raise ValueError("the fallback backend cannot be preview itself")
+        return value or None
+
+    @model_validator(mode="after")
+    def _fallback_config_fits(self) -> PreviewSettings:
+        # Checked now by the fallback's own model, not when a preview is first stopped.
+        if self.fallback and self.fallback_config is not None:
+            from .registry import UnknownBackend, load_backend_class
+
+            try:
+                model = load_backend_class(self.fallback).settings_model
+            except (UnknownBackend, BackendUnavailable):
+                return self  # said when the fallback is needed
+            if model is not None:
+                try:
+                    model.model_validate(self.fallback_config)
+                except ValidationError as e:
+                    raise ValueError(f"fallback_config: {problems(model, e)}") from None
+        return self
 
 
 class PreviewPredictor(Predictor):
-    """Settings (all optional): `timeout` (s, wall clock of the cell, default 5),
-    `memory_mb` (allowed beyond the kernel's memory, default 1024), `cpu_seconds` (default 10),
-    `busy_wait` (s to wait for a busy kernel to become idle before answering "kernel busy",
-    default 1), `fallback` (a backend name for stopped previews), `fallback_config` (its
-    settings; default: the host's own settings and instance of that backend)."""
+    """Previews the cell in a fork of the live kernel (settings: `PreviewSettings`)."""
 
     name = "preview"
     description = (
@@ -43,20 +87,17 @@ class PreviewPredictor(Predictor):
     tasks = ("output",)
     # The cell runs in the person's kernel as written; the fallback gets the scrubbed context.
     sees_secrets = True
+    settings_model = PreviewSettings
+    settings: PreviewSettings
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None):
         super().__init__(config, env)
-        self.timeout = float(self.config.get("timeout", 5.0))
-        self.memory_mb = int(self.config.get("memory_mb", 1024))
-        self.cpu_seconds = int(self.config.get("cpu_seconds", 10))
-        self.busy_wait = float(self.config.get("busy_wait", 1.0))
-        if self.timeout <= 0 or self.memory_mb <= 0 or self.cpu_seconds <= 0:
-            raise ValueError("preview: timeout, memory_mb and cpu_seconds must be positive")
-        if self.busy_wait < 0:
-            raise ValueError("preview: busy_wait must not be negative")
-        self.fallback_name: str | None = self.config.get("fallback") or None
-        if self.fallback_name == self.name:
-            raise ValueError("preview: the fallback backend cannot be preview itself")
+        s = self.settings
+        self.timeout = s.timeout
+        self.memory_mb = s.memory_mb
+        self.cpu_seconds = s.cpu_seconds
+        self.busy_wait = s.busy_wait
+        self.fallback_name = s.fallback
         self._fallback: Predictor | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         #: what the last preview reported (for the host's logs and for tests)
@@ -195,7 +236,7 @@ class PreviewPredictor(Predictor):
         if self._fallback is None:
             from .registry import create_backend
 
-            own = self.config.get("fallback_config")
+            own = self.settings.fallback_config
             if own is None and self.env.lookup is not None:
                 # The host's instance: its settings, its loaded model (closed by the host).
                 return self.env.lookup(self.fallback_name)

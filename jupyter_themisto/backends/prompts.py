@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from ..context import ContextCell, PredictionContext, variable_line
+from .base import Task
+from .settings import BackendSettings
 
 #: text shaped like a special token (`<|fim_prefix|>`, `<|endoftext|>`, …)
 _SPECIAL = re.compile(r"<\|[A-Za-z_]+\|>")
@@ -123,6 +127,58 @@ class PromptOptions:
                 "prompt_cells, prompt_below_cells, prompt_max_output_lines ≥ 0 and"
                 " prompt_window_step ≥ 1"
             )
+
+
+_PROMPT = PromptOptions()
+
+
+class PromptSettings(BackendSettings):
+    """The `prompt_*` settings of the backends that continue text (`PromptOptions`)."""
+
+    prompt_cells: int = Field(
+        _PROMPT.cells,
+        ge=0,
+        description="the newest executed cells shown (0: all the context holds)",
+    )
+    prompt_window_step: int = Field(
+        _PROMPT.window_step,
+        ge=1,
+        description="the first cell shown moves in steps of this many executions, so"
+        " consecutive prompts share their beginning and the model's prompt cache serves it"
+        " (between `prompt_cells` and `prompt_cells + step − 1` cells shown)",
+    )
+    prompt_outputs: Literal["none", "last", "all"] = Field(
+        _PROMPT.outputs,  # type: ignore[arg-type]
+        description="with runtime information: `none`, `last` (the newest cell's output or"
+        " error, as `# Out:` comments) or `all`",
+    )
+    prompt_max_output_lines: int = Field(
+        _PROMPT.max_output_lines, ge=0, description="lines kept of an output shown"
+    )
+    prompt_runtime: Literal["none", "header", "end"] = Field(
+        _PROMPT.runtime,  # type: ignore[arg-type]
+        description="where the live variables go: `none`, `header` (a docstring at the top),"
+        " `end` (comments before the open cell)",
+    )
+    prompt_markdown: bool = Field(_PROMPT.markdown, description="markdown cells of the notebook")
+    prompt_below: bool = Field(
+        _PROMPT.below,
+        description="the cells below the insertion point as a FIM suffix (models with FIM tokens)",
+    )
+    prompt_below_cells: int = Field(
+        _PROMPT.below_cells, ge=0, description="how many of the cells below the suffix holds"
+    )
+    prompt_template: Literal["raw", "chatml"] = Field(
+        _PROMPT.template,  # type: ignore[arg-type]
+        description="`raw` (the script to continue) or `chatml` (inside an instruct model's"
+        " ChatML conversation)",
+    )
+
+    def prompt_options(self) -> PromptOptions:
+        """The PromptOptions these settings give."""
+        return PromptOptions(
+            **{f.name: getattr(self, "prompt_" + f.name) for f in fields(PromptOptions)}
+        )
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -267,7 +323,7 @@ def output_prompt(ctx: PredictionContext) -> Prompt:
 
 def completion_prompt(
     ctx: PredictionContext,
-    task: str,
+    task: Task,
     options: PromptOptions | None = None,
     fim: FimTokens | None = None,
 ) -> Prompt:
@@ -315,7 +371,7 @@ def render_context(ctx: PredictionContext) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_prompt(ctx: PredictionContext, task: str) -> tuple[str, str]:
+def render_prompt(ctx: PredictionContext, task: Task) -> tuple[str, str]:
     """(instructions, prompt text) for a chat model, `task` "next-cell" or "output"."""
     body = render_context(ctx)
     if task == "output":

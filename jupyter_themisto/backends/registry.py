@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from .base import BackendEnv, BackendUnavailable, Predictor
+from .settings import InvalidSettings, check_settings
 
 ENTRY_POINT_GROUP = "jupyter_themisto.backends"
 
@@ -43,8 +45,32 @@ def load_backend_class(name: str) -> type[Predictor]:
 def create_backend(
     name: str, config: dict[str, Any] | None = None, env: BackendEnv | None = None
 ) -> Predictor:
-    """Build a backend by name with its own settings."""
+    """Build a backend by name with its own settings (InvalidSettings if it refuses them)."""
     return load_backend_class(name)(config, env)
+
+
+def check_backend_settings(backend_settings: Mapping[str, Any]) -> list[str]:
+    """What is wrong with a host's settings of every backend, by backend name: one message per
+    backend whose settings it refuses (naming the setting), or that is not installed. A
+    backend that cannot be imported here is left to say so when it is used."""
+    problems = []
+    installed = available_backends()
+    for name, config in backend_settings.items():
+        if name not in installed:
+            known = ", ".join(sorted(installed)) or "none"
+            problems.append(
+                f"backend_settings names {name!r}, which is not an installed backend"
+                f" (installed: {known})"
+            )
+            continue
+        try:
+            cls = load_backend_class(name)
+            check_settings(name, cls.settings_model, config)
+        except InvalidSettings as e:
+            problems.append(str(e))
+        except BackendUnavailable:
+            continue
+    return problems
 
 
 def default_backend_name() -> str:

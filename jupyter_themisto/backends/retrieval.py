@@ -21,9 +21,11 @@ from typing import Any
 
 import bm25s
 import numpy as np
+from pydantic import Field
 
 from ..context import PredictionContext, VariableInfo
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
+from .settings import BackendSettings
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Words that occur in almost every cell and say nothing about which cell comes next.
@@ -76,23 +78,40 @@ def notebook_code_cells(path: Path) -> list[str]:
     return out
 
 
+class RetrievalSettings(BackendSettings):
+    corpus_dir: str | None = Field(
+        None, description="a folder of .ipynb files (searched recursively) to draw cells from too"
+    )
+    history: bool = Field(True, description="draw cells from the store's recorded trajectories")
+    max_trajectories: int = Field(
+        500, ge=1, description="most recorded trajectories indexed (the newest)"
+    )
+    context_cells: int = Field(
+        2, ge=1, description="cells before a candidate that describe where it fits"
+    )
+    sync_rebuild_seconds: float = Field(
+        0.02,
+        description="an index that took longer than this to build is refreshed in the"
+        " background after new executions (the request answers from the one it has;"
+        " negative: always)",
+    )
+
+
 class RetrievalPredictor(Predictor):
-    """Settings: corpus_dir (a folder of .ipynb files, searched recursively), history (use the
-    store's trajectories, default true), max_trajectories (newest first, default 500),
-    context_cells (cells before a candidate that describe where it fits, default 2),
-    sync_rebuild_seconds (an index that took longer than this to build is refreshed in the
-    background after new executions, default 0.02)."""
+    """BM25 over the recorded history and a corpus (settings: `RetrievalSettings`)."""
 
     name = "retrieval"
     description = "Embedded default: BM25 over your own recorded history and a notebook corpus"
+    settings_model = RetrievalSettings
+    settings: RetrievalSettings
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        c = self.config
-        self.corpus_dir = Path(c["corpus_dir"]).expanduser() if c.get("corpus_dir") else None
-        self.history = bool(c.get("history", True))
-        self.max_trajectories = int(c.get("max_trajectories", 500))
-        self.context_cells = max(1, int(c.get("context_cells", 2)))
+        s = self.settings
+        self.corpus_dir = Path(s.corpus_dir).expanduser() if s.corpus_dir else None
+        self.history = s.history
+        self.max_trajectories = s.max_trajectories
+        self.context_cells = s.context_cells
         self._index: _Index | None = None
         self._index_key: Any = None
         self._lock = threading.Lock()
@@ -100,7 +119,7 @@ class RetrievalPredictor(Predictor):
         self._history_docs: dict[str, tuple[int, list[tuple[list[str], str]]]] = {}
         self._build_seconds = 0.0
         self._refresh: asyncio.Future[Any] | None = None
-        self.sync_rebuild_seconds = float(c.get("sync_rebuild_seconds", 0.02))
+        self.sync_rebuild_seconds = s.sync_rebuild_seconds
 
     async def health(self) -> dict[str, Any]:
         if self.corpus_dir is not None and not self.corpus_dir.is_dir():
@@ -251,18 +270,14 @@ class RetrievalPredictor(Predictor):
         yield OutputChunk(text=predict_output_from_summary(ctx))
 
 
-def _short_type(v: VariableInfo) -> str:
-    # The recorder names builtins bare ("int") and everything else module-qualified.
-    return v.type
-
-
 def _exact_repr(v: VariableInfo) -> str | None:
     """The variable's repr when the summary's short repr is known to be the whole of it."""
     s = v.summary
     text = s.get("repr")
     if not isinstance(text, str) or s.get("redacted") or text.startswith("<repr failed"):
         return None
-    t = _short_type(v)
+    # The recorder names builtins bare ("int") and everything else module-qualified.
+    t = v.type
     if t == "str":
         # reprlib cuts long strings in the middle; uncut, repr is the string plus its quotes.
         n = s.get("len")
@@ -307,7 +322,7 @@ def predict_output_from_summary(ctx: PredictionContext) -> str:
             raise NoPrediction(f"{v.name!r} is a secret; its value is not recorded")
         if kind == "repr":
             text = _exact_repr(v)
-            if text is None or (_short_type(v) == "NoneType"):
+            if text is None or v.type == "NoneType":
                 raise NoPrediction(f"the recorded summary of {v.name!r} is not its whole repr")
             return text + "\n"
         if kind == "len" and isinstance(v.summary.get("len"), int):

@@ -8,25 +8,39 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ._local import Completion, LocalModelPredictor, SharedModel, shared_model
+from pydantic import Field
+
+from ._local import Completion, LocalModelPredictor, LocalModelSettings, SharedModel, shared_model
 from .base import BackendError, BackendUnavailable
+
+
+class Seq2SeqSettings(LocalModelSettings):
+    model_path: str | None = Field(
+        None,
+        description="required: a folder written by `save_pretrained`, with its tokenizer"
+        " (nothing is ever downloaded)",
+    )
+    max_input_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="longer prompts keep their newest part (default: the model's position"
+        " limit, else 1024)",
+    )
 
 
 class Seq2SeqPredictor(LocalModelPredictor):
     """A transformers model on the CPU (extra `[seq2seq]`): T5/CodeT5-style encoder-decoders
-    and GPT-style causal models alike, chosen by the model's own config.
-
-    Settings: model_path (required: a folder written by `save_pretrained`, with its
-    tokenizer; nothing is ever downloaded), max_input_tokens (longer prompts keep their newest
-    part; default: the model's position limit, else 1024), and those of every local model
-    backend (max_tokens, output_max_tokens, temperature, sample_temperature, seed).
+    and GPT-style causal models alike, chosen by the model's own config (settings:
+    `Seq2SeqSettings`).
     """
 
     name = "seq2seq"
     description = "A local Hugging Face encoder-decoder or causal model (transformers, CPU)"
+    settings_model = Seq2SeqSettings
+    settings: Seq2SeqSettings
 
     def model_dir(self) -> Path:
-        configured = self.config.get("model_path")
+        configured = self.settings.model_path
         if not configured:
             raise BackendUnavailable(
                 "seq2seq: no model: set model_path to a folder saved with save_pretrained"
@@ -74,7 +88,7 @@ class Seq2SeqPredictor(LocalModelPredictor):
 
         lm, tokenizer = model.model
         limit = int(
-            self.config.get("max_input_tokens")
+            self.settings.max_input_tokens
             or getattr(lm.config, "max_position_embeddings", 0)
             or getattr(lm.config, "n_positions", 0)
             or 1024

@@ -19,8 +19,10 @@ import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .. import metrics as M
 from ..backends import (
@@ -110,6 +112,12 @@ def add_parsers(sub: Any) -> None:
         default=None,
         help="a dump whose trajectories the backend may learn from (its history store: used by "
         "retrieval and ret-train); trajectories of the evaluated dump are never lent",
+    )
+    p.add_argument(
+        "--leave-one-out",
+        action="store_true",
+        help="the evaluated dump is the history too: for each instance, the backend may learn "
+        "from every other notebook of the dump, never its own (a new backend per notebook)",
     )
     p.add_argument(
         "--token-budget", type=int, default=3000, help="context budget in tokens (default 3000)"
@@ -286,6 +294,37 @@ def train_store(dump: Path, exclude: set[str], folder: Path) -> Any:
     return store
 
 
+class HeldOutStore:
+    """A read-only view of a history store without one trajectory: what a backend that learns
+    from history may see while that trajectory's instances are evaluated."""
+
+    def __init__(self, store: Any, held_out: str) -> None:
+        self._store = store
+        self.held_out = held_out
+
+    def list_trajectories(self, **kw: Any) -> list[dict[str, Any]]:
+        return [t for t in self._store.list_trajectories(**kw) if t["id"] != self.held_out]
+
+    def list_executions(self, trajectory_id: str, **kw: Any) -> list[dict[str, Any]]:
+        return (
+            []
+            if trajectory_id == self.held_out
+            else self._store.list_executions(trajectory_id, **kw)
+        )
+
+    def count_executions(self, trajectory_id: str | None = None) -> int:
+        if trajectory_id == self.held_out:
+            return 0
+        n = self._store.count_executions(trajectory_id)
+        return n - self._store.count_executions(self.held_out) if trajectory_id is None else n
+
+    def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
+        return None if trajectory_id == self.held_out else self._store.get_trajectory(trajectory_id)
+
+    def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
+        return [] if trajectory_id == self.held_out else self._store.latest_variables(trajectory_id)
+
+
 # -- running ----------------------------------------------------------------------------------
 
 
@@ -341,54 +380,63 @@ async def _predict(backend: Any, task: str, ctx: Any) -> str:
 
 
 async def run_examples(
-    backend: Any,
+    batches: list[tuple[Callable[[], Any], list[dict[str, Any]]]],
     task: str,
-    instances: list[dict[str, Any]],
     contexts: DumpContexts,
     with_runtime: bool,
     out_file: Path,
     concurrency: int,
     meta: dict[str, Any],
 ) -> int:
-    """Predict and score `instances`, appending one JSON line per example; returns errors."""
-    sem = asyncio.Semaphore(max(1, concurrency))
+    """Predict and score the instances of each batch with its own backend (made when the batch
+    starts, closed when it ends), appending one JSON line per example; returns errors."""
     errors = 0
-    bar = progress(len(instances), meta["backend"], unit="ex")
+    bar = progress(sum(len(rows) for _, rows in batches), meta["backend"], unit="ex")
     with open(out_file, "a", encoding="utf-8") as f:
-
-        async def one(inst: dict[str, Any]) -> None:
-            nonlocal errors
-            async with sem:
-                ctx = contexts.build(inst, with_runtime)
-                started = time.perf_counter()
-                row: dict[str, Any] = {
-                    "id": inst["id"],
-                    **meta,
-                    "trajectory_id": inst["trajectory_id"],
-                    "order_index": inst["order_index"],
-                    "reference": inst["target"],
-                }
-                try:
-                    row["prediction"] = await _predict(backend, task, ctx)
-                except NoPrediction as e:
-                    row["prediction"] = ""
-                    row["no_prediction"] = str(e)
-                except BackendError as e:
-                    row["prediction"] = ""
-                    row["error"] = f"{type(e).__name__}: {e}"
-                    errors += 1
-                row["latency"] = round(time.perf_counter() - started, 4)
-                if "error" not in row:
-                    row["scores"] = M.score(row["prediction"], inst["target"], task)
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                f.flush()
-                bar.update(1)
-
         try:
-            await asyncio.gather(*(one(i) for i in instances))
+            for make_backend, instances in batches:
+                backend = make_backend()
+                sem = asyncio.Semaphore(max(1, concurrency))
+
+                async def one(inst: dict[str, Any], backend: Any = backend, sem: Any = sem) -> None:
+                    nonlocal errors
+                    async with sem:
+                        ctx = contexts.build(inst, with_runtime)
+                        started = time.perf_counter()
+                        timed_out = getattr(backend, "timed_out", 0)
+                        row: dict[str, Any] = {
+                            "id": inst["id"],
+                            **meta,
+                            "trajectory_id": inst["trajectory_id"],
+                            "order_index": inst["order_index"],
+                            "reference": inst["target"],
+                        }
+                        try:
+                            row["prediction"] = await _predict(backend, task, ctx)
+                        except NoPrediction as e:
+                            row["prediction"] = ""
+                            row["no_prediction"] = str(e)
+                        except BackendError as e:
+                            row["prediction"] = ""
+                            row["error"] = f"{type(e).__name__}: {e}"
+                            errors += 1
+                        row["latency"] = round(time.perf_counter() - started, 4)
+                        if getattr(backend, "timed_out", 0) > timed_out:
+                            # An answer ended by the backend's time limit (exact with
+                            # --concurrency 1).
+                            row["timed_out"] = True
+                        if "error" not in row:
+                            row["scores"] = M.score(row["prediction"], inst["target"], task)
+                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        f.flush()
+                        bar.update(1)
+
+                try:
+                    await asyncio.gather(*(one(i) for i in instances))
+                finally:
+                    await backend.aclose()
         finally:
             bar.close()
-            await backend.aclose()
     return errors
 
 
@@ -411,6 +459,7 @@ def summarize_run(path: Path) -> dict[str, Any] | None:
         "n_scored": len(scored),
         "n_no_prediction": sum(1 for r in scored if "no_prediction" in r),
         "n_errors": len(rows) - len(scored),
+        "n_timed_out": sum(1 for r in rows if r.get("timed_out")),
         "mean_latency": (sum(r.get("latency", 0.0) for r in scored) / len(scored))
         if scored
         else None,
@@ -514,20 +563,33 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                 "version) for --setting live"
             )
         notebook_cells = read_table(dump, manifest, "notebook_cells")
+    # Each notebook's instances in the order they ran (a model's prompt cache serves them).
+    instances.sort(key=lambda i: (i["trajectory_id"], i["order_index"]))
     if args.limit is not None:
         instances = instances[: max(0, args.limit)]
+    if args.leave_one_out and args.train:
+        raise CliError("--leave-one-out uses the evaluated dump as history: no --train with it")
     out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"
     with tempfile.TemporaryDirectory(prefix="themisto-train-") as tmp:
         store = None
         if args.train:
             exclude = {r["trajectory_id"] for r in executions}
             store = train_store(Path(args.train).expanduser(), exclude, Path(tmp))
-        try:
-            backend = create_backend(args.backend, options, BackendEnv(store=store))
-        except (UnknownBackend, BackendUnavailable) as e:
-            raise CliError(str(e)) from e
-        except (ValueError, TypeError) as e:
-            raise CliError(f"cannot configure backend {args.backend!r}: {e}") from e
+        elif args.leave_one_out:
+            store = train_store(dump, set(), Path(tmp))
+
+        def make_backend(held_out: str | None = None) -> Any:
+            history = store if held_out is None else HeldOutStore(store, held_out)
+            try:
+                # A HeldOutStore answers what backends read of a history store.
+                env = BackendEnv(store=cast(Any, history))
+                return create_backend(args.backend, options, env)
+            except (UnknownBackend, BackendUnavailable) as e:
+                raise CliError(str(e)) from e
+            except (ValueError, TypeError) as e:
+                raise CliError(f"cannot configure backend {args.backend!r}: {e}") from e
+
+        backend = make_backend()
         if args.task not in getattr(backend, "tasks", TASKS):
             raise CliError(f"backend {args.backend!r} does not predict {args.task}")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -545,16 +607,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             "setting": args.setting,
             "dump": str(dump),
         }
+        batches: list[tuple[Callable[[], Any], list[dict[str, Any]]]] = []
+        if args.leave_one_out:
+            groups: dict[str, list[dict[str, Any]]] = {}
+            for inst in todo:
+                groups.setdefault(inst["trajectory_id"], []).append(inst)
+            batches = [(partial(make_backend, tid), rows) for tid, rows in groups.items()]
+            asyncio.run(backend.aclose())  # it only told which tasks the backend predicts
+        else:
+            batches = [(lambda: backend, todo)]
         errors = asyncio.run(
             run_examples(
-                backend,
-                args.task,
-                todo,
-                contexts,
-                args.with_runtime,
-                out_file,
-                args.concurrency,
-                meta,
+                batches, args.task, contexts, args.with_runtime, out_file, args.concurrency, meta
             )
         )
     summary = write_reports(out_dir)

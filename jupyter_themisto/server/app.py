@@ -9,6 +9,7 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Dict, Float, Int, Unicode, validate
 
 from ..backends import default_backend_name
+from ..context import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_TOKEN_BUDGET
 from ..store import STORE_ENV, TrajectoryStore, default_store_path
 from .autorecord import AutoRecorder
 from .handlers import default_handlers
@@ -41,8 +42,11 @@ class ThemistoExtensionApp(ExtensionApp):
     backend_settings = Dict(
         {},
         help="Per-backend settings, by backend name, e.g. {'openai': {'base_url': "
-        "'http://localhost:11434/v1', 'model': 'qwen2.5-coder'}}. Keys are never sent to "
-        "the browser; prefer the OPENAI_API_KEY / ANTHROPIC_API_KEY environment variables.",
+        "'http://localhost:11434/v1', 'model': 'qwen2.5-coder'}}. Each backend declares its "
+        "settings (README, and their JSON schema at /themisto/backends); an unknown setting or "
+        "a wrong type is logged as the server starts, and the backend answers with the error. "
+        "Keys are never sent to the browser; prefer the OPENAI_API_KEY / ANTHROPIC_API_KEY "
+        "environment variables.",
     ).tag(config=True)
     prediction_timeout = Float(
         60.0,
@@ -50,12 +54,13 @@ class ThemistoExtensionApp(ExtensionApp):
         "`error` event once streaming).",
     ).tag(config=True)
     token_budget = Int(
-        3000,
+        DEFAULT_TOKEN_BUDGET,
         help="Approximate tokens of context (cells, outputs, runtime summary) given to a "
         "backend per prediction.",
     ).tag(config=True)
     max_output_chars = Int(
-        600, help="Characters of each recorded cell output kept in a prediction context."
+        DEFAULT_MAX_OUTPUT_CHARS,
+        help="Characters of each recorded cell output kept in a prediction context.",
     ).tag(config=True)
     max_page_size = Int(
         1000, help="Most trajectories or executions returned by one list request."
@@ -122,6 +127,8 @@ class ThemistoExtensionApp(ExtensionApp):
         if self.auto_record:
             self.auto_recorder.attach()
         self.settings.update(themisto_manager=self.manager, themisto_app=self)
+        for problem in self.manager.check_settings():
+            self.log.error("themisto: %s", problem)
         if self.preload_model:
             self.manager.preload_default()
         self.log.info("themisto: trajectory store %s; default backend %s", path, default_backend)

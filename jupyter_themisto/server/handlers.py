@@ -12,7 +12,7 @@ from jupyter_server.base.handlers import APIHandler
 from tornado import web
 from tornado.iostream import StreamClosedError
 
-from ..backends import BackendError, UnknownBackend
+from ..backends import BackendError, Task, UnknownBackend
 from .manager import Event, NotFound, ThemistoManager
 from .models import NextCellRequest, OutputRequest, ValidationError, describe_validation_error
 
@@ -129,7 +129,7 @@ class BackendsHandler(ThemistoHandler):
 class PredictHandler(ThemistoHandler):
     """POST a prediction request; the answer streams as server-sent events."""
 
-    task = ""
+    task: Task = "next-cell"
     model: type[NextCellRequest] | type[OutputRequest] = NextCellRequest
 
     _work: asyncio.Task[None] | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,11 +15,21 @@ from ..backends import (
     BackendTimeout,
     NoPrediction,
     Predictor,
+    Task,
     UnknownBackend,
     available_backends,
+    check_backend_settings,
     create_backend,
+    load_backend_class,
+    settings_schema,
 )
-from ..context import ContextCell, PredictionContext, build_context
+from ..context import (
+    DEFAULT_MAX_OUTPUT_CHARS,
+    DEFAULT_TOKEN_BUDGET,
+    ContextCell,
+    PredictionContext,
+    build_context,
+)
 from ..redaction import StoreRedactor, redact_variable
 from ..store import TrajectoryStore
 from .models import NextCellRequest, OutputRequest
@@ -50,8 +59,8 @@ class ThemistoManager:
         kernel_manager: Any = None,
         log: logging.Logger | None = None,
         prediction_timeout: float = 60.0,
-        token_budget: int = 3000,
-        max_output_chars: int = 600,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
         max_page: int = 1000,
         snapshot_wait: float = 2.0,
     ) -> None:
@@ -154,11 +163,19 @@ class ThemistoManager:
             self._backends[name] = create_backend(name, self.backend_settings.get(name), env)
         return self._backends[name]
 
+    def check_settings(self) -> list[str]:
+        """What is wrong with `backend_settings` (said in the log as the server starts; a
+        backend whose settings are refused answers each request with the same message)."""
+        return check_backend_settings(self.backend_settings)
+
     async def list_backends(self) -> list[dict[str, Any]]:
         out = []
         for name in sorted(available_backends()):
             entry: dict[str, Any] = {"name": name, "description": "", "tasks": []}
             try:
+                # The settings' JSON schema, from the class: served even when the backend
+                # cannot be made (e.g. with refused settings, which the schema helps to fix).
+                entry["settings_schema"] = settings_schema(load_backend_class(name))
                 b = self.backend(name)
                 entry["description"] = b.description
                 entry["tasks"] = list(b.tasks)
@@ -305,11 +322,11 @@ class ThemistoManager:
                     self.log.warning("themisto: sweeping pending snapshots failed: %s", e)
             await asyncio.sleep(0.05)
 
-    def _supersede_key(self, req: NextCellRequest | OutputRequest, task: str) -> tuple[str, ...]:
+    def _supersede_key(self, req: NextCellRequest | OutputRequest, task: Task) -> tuple[str, ...]:
         target = req.kernel_id or req.notebook_path or req.trajectory_id or ""
         return (req.client_id or "", target, task)
 
-    def register(self, req: NextCellRequest | OutputRequest, task: str) -> tuple[str, ...] | None:
+    def register(self, req: NextCellRequest | OutputRequest, task: Task) -> tuple[str, ...] | None:
         """Make the current asyncio task the live request of its client; cancel an older one."""
         if not req.client_id:
             return None
@@ -357,7 +374,7 @@ class ThemistoManager:
             )
 
     def _context_for(
-        self, req: NextCellRequest | OutputRequest, task: str
+        self, req: NextCellRequest | OutputRequest, task: Task
     ) -> PredictionContext | None:
         """The context of a request: its trajectory's, else (next cell) the browser's cells;
         None when neither exists."""
@@ -372,7 +389,7 @@ class ThemistoManager:
         return self.context(req, trajectory)
 
     async def open_stream(
-        self, req: NextCellRequest | OutputRequest, task: str
+        self, req: NextCellRequest | OutputRequest, task: Task
     ) -> tuple[Event, AsyncIterator[Event]]:
         """Validate and start a prediction; returns the meta event and the rest of the stream.
 
@@ -409,7 +426,7 @@ class ThemistoManager:
             agen = backend.predict_next_cell(ctx, n=req.n)
         else:
             agen = backend.predict_output(ctx)
-        meta = Event("meta", {"backend": name, "request_id": uuid.uuid4().hex})
+        meta = Event("meta", {"backend": name})
         first: Event | None = None
         try:
             first = await self._next(agen, deadline, task)
@@ -424,7 +441,7 @@ class ThemistoManager:
             raise
         return meta, self._rest(agen, first, deadline, task, name, started)
 
-    async def _next(self, agen: Any, deadline: float, task: str) -> Event | None:
+    async def _next(self, agen: Any, deadline: float, task: Task) -> Event | None:
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             raise BackendTimeout(f"the prediction took longer than {self.prediction_timeout:g} s")
@@ -471,7 +488,7 @@ class ThemistoManager:
         agen: Any,
         first: Event | None,
         deadline: float,
-        task: str,
+        task: Task,
         name: str,
         started: float,
     ) -> AsyncIterator[Event]:

@@ -62,7 +62,6 @@ export interface IPredictRequest {
 
 export interface IMetaEvent {
   backend: string;
-  request_id: string;
 }
 
 export interface INextCellChunk {
