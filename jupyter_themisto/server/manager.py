@@ -405,12 +405,22 @@ class ThemistoManager:
         cell) up to `snapshot_wait` seconds, so that a prediction sees the current state."""
         n = trajectory.get("n_executions") or 0
         deadline = time.monotonic() + self.snapshot_wait
+        swept = False
         while n and time.monotonic() < deadline:
             last = await self.in_store_thread(
                 self.store.list_executions, trajectory["id"], offset=n - 1, limit=1
             )
             if not last or last[0].get("snapshot_status") != "pending":
                 return
+            if not swept:
+                # Left pending by a kernel or snapshot process that died, it would stay so:
+                # marked failed instead of waited for (store/processes.py).
+                swept = True
+                try:
+                    if self.store.sweep_pending_snapshots(trajectory["id"]):
+                        continue
+                except Exception as e:
+                    self.log.warning("themisto: sweeping pending snapshots failed: %s", e)
             await asyncio.sleep(0.05)
 
     def _prediction_context(
