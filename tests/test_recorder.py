@@ -23,7 +23,7 @@ from jupyter_themisto.kernel.outputs import (
 )
 from jupyter_themisto.store import TrajectoryStore
 
-from .test_recorder_kernel import NOTEBOOK, RecordingKernel
+from .recorder_kernel import NOTEBOOK, RecordingKernel
 
 
 @pytest.fixture(scope="module")

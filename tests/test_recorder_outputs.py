@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jupyter_themisto.kernel.outputs import resolve_blob_refs
 
-from .test_recorder_kernel import RecordingKernel
+from .recorder_kernel import RecordingKernel
 
 DISPLAYED = ("display_data", "execute_result", "update_display_data")
 

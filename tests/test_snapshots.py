@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from .test_recorder_kernel import RecordingKernel
+from .recorder_kernel import RecordingKernel
 
 SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
 
