@@ -15,6 +15,8 @@ from jupyter_client.manager import KernelManager
 
 from jupyter_themisto.store import TrajectoryStore
 
+from .helpers import execute_content
+
 NOTEBOOK = "analysis/notebook.ipynb"
 SETTLE = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().settle(60)"
@@ -51,15 +53,7 @@ class RecordingKernel:
         self.kc.wait_for_ready(timeout=90)
 
     def send(self, code: str, cell_id: str | None = None) -> str:
-        content = {
-            "code": code,
-            "silent": False,
-            "store_history": True,
-            "user_expressions": {},
-            "allow_stdin": False,
-            "stop_on_error": False,
-        }
-        msg = self.kc.session.msg("execute_request", content)
+        msg = self.kc.session.msg("execute_request", execute_content(code))
         if cell_id is not None:
             msg["metadata"]["cellId"] = cell_id
         self.kc.shell_channel.send(msg)

@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import parse_sse, run_cell, server_config, wait_for
 from tests.peers import OpenAIPeer
 
 
@@ -34,45 +35,7 @@ def jp_server_config(store_path, fallback, fallback_settings):
     if fallback:
         settings["fallback"] = fallback
     backends = {"preview": settings, **fallback_settings}
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {"auto_record": True, "backend_settings": backends},
-    }
-
-
-def parse_sse(text: str) -> list[tuple[str, dict]]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        name, data = None, None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-        events.append((name, data))
-    return events
-
-
-async def wait_for(predicate, timeout=60.0):
-    for _ in range(int(timeout / 0.1)):
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError("timed out waiting")
-
-
-async def run_cell(jp_serverapp, kernel_id, code, **kw) -> dict:
-    """Run a cell as the person would, through a client of its own; the reply content."""
-    kc = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
-    kc.start_channels()
-    try:
-        await kc.wait_for_ready(timeout=60)
-        reply = await kc.execute(code, reply=True, timeout=60, **kw)
-        assert reply["content"]["status"] == "ok"
-        return reply["content"]
-    finally:
-        kc.stop_channels()
+    return server_config(auto_record=True, backend_settings=backends)
 
 
 async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: str) -> str:

@@ -13,18 +13,12 @@ from jupyter_themisto.backends import default_backend_name, model_files
 from jupyter_themisto.backends._local import loaded_models
 from jupyter_themisto.backends.llamacpp import local_model_installed
 from jupyter_themisto.store import TrajectoryStore
-from tests.test_server import parse_sse
+from tests.helpers import parse_sse, server_config
 
 
 @pytest.fixture
 def jp_server_config(store_path):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            "backend_settings": {"llamacpp": {"max_tokens": 24}},
-        },
-    }
+    return server_config(backend_settings={"llamacpp": {"max_tokens": 24}})
 
 
 def test_the_default_is_the_local_model_when_installed(monkeypatch):

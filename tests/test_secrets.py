@@ -13,12 +13,12 @@ import subprocess
 import sys
 
 import pytest
-from tornado.httpclient import HTTPClientError
 
 from jupyter_themisto.redaction import REDACTED, SECRET_VALUE_REASON
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import body_of, server_config
 from tests.peers import OpenAIPeer
-from tests.test_recorder_kernel import RecordingKernel
+from tests.recorder_kernel import RecordingKernel
 
 PLANTED = {
     "name": "hunter2-planted-value-0001",
@@ -54,16 +54,12 @@ def peer():
 
 @pytest.fixture
 def jp_server_config(store_path, peer):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            # Not the embedded model (the default with the [llm] extra): these tests are not
-            # about it, and it would answer slowly on a busy machine.
-            "default_backend": "retrieval",
-            "backend_settings": {"openai": {"base_url": peer.url, "max_retries": 0}},
-        },
-    }
+    return server_config(
+        # Not the embedded model (the default with the [llm] extra): these tests are not
+        # about it, and it would answer slowly on a busy machine.
+        default_backend="retrieval",
+        backend_settings={"openai": {"base_url": peer.url, "max_retries": 0}},
+    )
 
 
 @pytest.fixture
@@ -92,13 +88,6 @@ def leaks(data: bytes | str) -> list[str]:
         if value.encode() in data or value.encode("utf-32-le") in data:
             found.append(name)
     return found
-
-
-async def body_of(coro) -> bytes:
-    try:
-        return (await coro).body
-    except HTTPClientError as e:
-        return e.response.body
 
 
 async def test_planted_secrets_leak_nowhere(

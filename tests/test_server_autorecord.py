@@ -11,6 +11,7 @@ import pytest
 
 from jupyter_themisto.server.autorecord import LOADED_AT_START, OPTED_OUT
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import execute_content, run_cell, server_config, wait_for
 
 
 @pytest.fixture
@@ -20,10 +21,7 @@ def auto_record():
 
 @pytest.fixture
 def jp_server_config(store_path, auto_record):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {"auto_record": auto_record},
-    }
+    return server_config(auto_record=auto_record)
 
 
 def write_notebook(root, name, metadata=None):
@@ -37,26 +35,6 @@ async def start_session(jp_fetch, path):
     body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": "python3"}}
     r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
     return json.loads(r.body)["kernel"]["id"]
-
-
-async def run_cell(jp_serverapp, kernel_id, code):
-    kc = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
-    kc.start_channels()
-    try:
-        await kc.wait_for_ready(timeout=60)
-        reply = await kc.execute(code, reply=True, timeout=60)
-        assert reply["content"]["status"] == "ok"
-    finally:
-        kc.stop_channels()
-
-
-async def wait_for(predicate, timeout=60.0):
-    for _ in range(int(timeout / 0.1)):
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError("timed out waiting")
 
 
 async def test_kernels_record_automatically(jp_fetch, jp_serverapp, jp_root_dir, store_path):
@@ -129,19 +107,11 @@ def execute_request(code):
         "date": "",
         "version": "5.3",
     }
-    content = {
-        "code": code,
-        "silent": False,
-        "store_history": True,
-        "user_expressions": {},
-        "allow_stdin": False,
-        "stop_on_error": False,
-    }
     msg = {
         "header": header,
         "parent_header": {},
         "metadata": {"cellId": f"cell-{msg_id[:6]}"},
-        "content": content,
+        "content": execute_content(code),
         "channel": "shell",
         "buffers": [],
     }

@@ -9,6 +9,7 @@ import pytest
 
 from jupyter_themisto.backends import available_backends, create_backend
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import server_config
 
 PLUGIN = textwrap.dedent(
     '''
@@ -57,14 +58,7 @@ def plugin_dist(tmp_path, monkeypatch):
 
 @pytest.fixture
 def jp_server_config(store_path, plugin_dist):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            "default_backend": "echo",
-            "backend_settings": {"echo": {"prefix": "# again\n"}},
-        },
-    }
+    return server_config(default_backend="echo", backend_settings={"echo": {"prefix": "# again\n"}})
 
 
 def test_registry_finds_the_plugin(plugin_dist):

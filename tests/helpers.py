@@ -1,0 +1,78 @@
+"""Helpers the server tests share: SSE parsing, polling, a server config, running a cell."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from tornado.httpclient import HTTPClientError
+
+T = TypeVar("T")
+
+
+def server_config(**themisto: Any) -> dict[str, Any]:
+    """A jp_server_config with the extension enabled; `themisto` overrides its traitlets
+    (auto-record is off unless a test turns it on)."""
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
+        "ThemistoExtensionApp": {"auto_record": False, **themisto},
+    }
+
+
+def parse_sse(text: str) -> list[tuple[str | None, Any]]:
+    """A server-sent-event body as (event name, decoded data) pairs, in order."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+        events.append((name, data))
+    return events
+
+
+async def wait_for(predicate: Callable[[], T], timeout: float = 60.0) -> T:
+    """The first truthy value of `predicate()`, polled every 0.1 s for up to `timeout`."""
+    for _ in range(int(timeout / 0.1)):
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError("timed out waiting")
+
+
+async def body_of(coro: Awaitable[Any]) -> bytes:
+    """The response body, whether the status is a success or an error."""
+    try:
+        return (await coro).body
+    except HTTPClientError as e:
+        return e.response.body
+
+
+async def run_cell(jp_serverapp: Any, kernel_id: str, code: str, **kw: Any) -> dict[str, Any]:
+    """Run a cell as the person would, through a client of its own; the reply content."""
+    kc = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute(code, reply=True, timeout=60, **kw)
+        assert reply["content"]["status"] == "ok"
+        return reply["content"]
+    finally:
+        kc.stop_channels()
+
+
+def execute_content(code: str) -> dict[str, Any]:
+    """An execute_request's content as JupyterLab sends it for a cell."""
+    return {
+        "code": code,
+        "silent": False,
+        "store_history": True,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": False,
+    }
