@@ -23,15 +23,9 @@ from jupyter_themisto.kernel.outputs import (
 )
 from jupyter_themisto.store import TrajectoryStore
 
-from .recorder_kernel import NOTEBOOK, RecordingKernel
+from .recorder_kernel import NOTEBOOK, RecordingKernel, kernel_fixture
 
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    store = tmp_path_factory.mktemp("recorder") / "trajectories.sqlite"
-    k = RecordingKernel(store, ["--ThemistoRecorder.max_output_bytes=2000"])
-    yield k
-    k.shutdown()
+kernel = kernel_fixture("recorder", "--ThemistoRecorder.max_output_bytes=2000")
 
 
 def test_trajectory_metadata(kernel):

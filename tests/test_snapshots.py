@@ -11,18 +11,13 @@ import numpy as np
 import pytest
 import zstandard
 
-from .recorder_kernel import RecordingKernel
+from .recorder_kernel import RecordingKernel, kernel_fixture
 
 SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    store = tmp_path_factory.mktemp("snapshots") / "trajectories.sqlite"
-    # Cells here come faster than a loaded machine may finish snapshots: no skipping.
-    k = RecordingKernel(store, ["--ThemistoRecorder.max_snapshot_children=16"])
-    yield k
-    k.shutdown()
+# Cells here come faster than a loaded machine may finish snapshots: no skipping.
+kernel = kernel_fixture("snapshots", "--ThemistoRecorder.max_snapshot_children=16")
 
 
 def test_summaries_of_common_values(kernel):
