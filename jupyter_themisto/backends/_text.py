@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 
 class FenceStripper:
@@ -62,6 +62,17 @@ def _may_be_fence(partial_line: str) -> bool:
     """Whether a line that begins so could still be a fence line."""
     head = partial_line.lstrip()[:3]
     return "```".startswith(head)
+
+
+async def unfenced(texts: AsyncIterable[str]) -> AsyncIterator[tuple[str, bool]]:
+    """Streamed model text through one FenceStripper: (text, False) for each non-empty piece
+    as it passes, then (what was held back, True), possibly empty."""
+    s = FenceStripper()
+    async for text in texts:
+        out = s.feed(text)
+        if out:
+            yield out, False
+    yield s.finish(), True
 
 
 def strip_code_fences(text: str) -> str:
