@@ -9,21 +9,13 @@ import random
 import re
 import time
 import zlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import httpx
 from pydantic import Field, SecretStr
 
-from ._text import unfenced
-from .base import (
-    BackendError,
-    BackendTimeout,
-    BackendUnavailable,
-    NoPrediction,
-    OutputChunk,
-    Predictor,
-)
+from .base import BackendError, BackendTimeout, BackendUnavailable, Predictor
 from .settings import BackendSettings
 
 # Statuses worth another attempt: rate limits and transient server trouble (529: Anthropic
@@ -184,17 +176,6 @@ def parse_json(data: str, what: str) -> Any:
         return json.loads(data)
     except ValueError as e:
         raise BackendError(f"the model server sent malformed JSON in {what}: {e}") from e
-
-
-async def output_chunks(texts: AsyncIterable[str]) -> AsyncIterator[OutputChunk]:
-    """An output prediction streamed from a model's text, code fences stripped."""
-    got = False
-    async for out, _last in unfenced(texts):
-        if out:
-            got = True
-            yield OutputChunk(text=out)
-    if not got:
-        raise NoPrediction("the model returned no output prediction")
 
 
 class HTTPSettings(BackendSettings):

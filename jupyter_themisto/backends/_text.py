@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
+from .base import NoPrediction, OutputChunk
+
 
 class FenceStripper:
     """Removes Markdown code fences from streamed model text as it streams.
@@ -73,6 +75,17 @@ async def unfenced(texts: AsyncIterable[str]) -> AsyncIterator[tuple[str, bool]]
         if out:
             yield out, False
     yield s.finish(), True
+
+
+async def output_chunks(texts: AsyncIterable[str]) -> AsyncIterator[OutputChunk]:
+    """An output prediction streamed from a model's text, code fences stripped."""
+    got = False
+    async for out, _last in unfenced(texts):
+        if out:
+            got = True
+            yield OutputChunk(text=out)
+    if not got:
+        raise NoPrediction("the model returned no output prediction")
 
 
 def strip_code_fences(text: str) -> str:

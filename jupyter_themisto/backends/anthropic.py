@@ -8,8 +8,8 @@ from typing import Any
 from pydantic import Field, SecretStr
 
 from ..context import PredictionContext
-from ._http import HTTPPredictor, HTTPSettings, output_chunks, parse_json
-from ._text import unfenced
+from ._http import HTTPPredictor, HTTPSettings, parse_json
+from ._text import output_chunks, unfenced
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 

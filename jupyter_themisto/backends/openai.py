@@ -8,8 +8,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 
 from ..context import PredictionContext
-from ._http import HTTPPredictor, HTTPSettings, output_chunks, parse_json
-from ._text import FenceStripper
+from ._http import HTTPPredictor, HTTPSettings, parse_json
+from ._text import FenceStripper, output_chunks
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
