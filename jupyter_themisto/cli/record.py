@@ -119,10 +119,12 @@ def _send_cell_ids(kc: Any, current: dict[str, Any]) -> None:
     kc.execute = execute
 
 
-async def _execute_silent(client: Any, code: str, timeout: float = 60.0) -> dict[str, Any]:
+async def _execute_silent(
+    client: Any, code: str, timeout: float = 60.0, **kw: Any
+) -> dict[str, Any]:
     """A silent execute (no run_cell hooks, no history); returns the reply content."""
     kc = client.kc
-    msg_id = kc.execute(code, silent=True, store_history=False)
+    msg_id = kc.execute(code, silent=True, store_history=False, **kw)
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
@@ -135,23 +137,13 @@ async def _execute_silent(client: Any, code: str, timeout: float = 60.0) -> dict
 
 async def _query(client: Any, expression: str, timeout: float = 60.0) -> Any:
     """Evaluate an expression silently (a user_expression of a silent execute)."""
-    kc = client.kc
-    msg_id = kc.execute("", silent=True, store_history=False, user_expressions={"v": expression})
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CliError(f"the kernel did not answer within {timeout:.0f} s")
-        reply = await kc.get_shell_msg(timeout=left)
-        if reply["parent_header"].get("msg_id") != msg_id:
-            continue
-        value = reply["content"].get("user_expressions", {}).get("v", {})
-        if value.get("status") != "ok":
-            raise CliError(
-                f"the recorder did not load in the kernel: {value.get('ename')}: "
-                f"{value.get('evalue')}"
-            )
-        return value["data"].get("text/plain")
+    content = await _execute_silent(client, "", timeout, user_expressions={"v": expression})
+    value = content.get("user_expressions", {}).get("v", {})
+    if value.get("status") != "ok":
+        raise CliError(
+            f"the recorder did not load in the kernel: {value.get('ename')}: {value.get('evalue')}"
+        )
+    return value["data"].get("text/plain")
 
 
 def record_notebook(
