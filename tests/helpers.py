@@ -1,10 +1,14 @@
-"""Helpers the server tests share: SSE parsing, polling, a server config, running a cell."""
+"""Helpers tests share: SSE parsing, polling, a server config, running a cell, the CLI."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from tornado.httpclient import HTTPClientError
@@ -76,3 +80,16 @@ def execute_content(code: str) -> dict[str, Any]:
         "allow_stdin": False,
         "stop_on_error": False,
     }
+
+
+def cli(
+    *args: str, store: Path | None = None, timeout: float = 300, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """`python -m jupyter_themisto.cli ARGS` (on `store` if given, never on the environment's)."""
+    cmd = [sys.executable, "-m", "jupyter_themisto.cli"]
+    if store is not None:
+        cmd += ["--store", str(store)]
+    env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
+    return subprocess.run(
+        cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, **kw
+    )

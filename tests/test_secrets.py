@@ -9,14 +9,12 @@ from __future__ import annotations
 import io
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 
 from jupyter_themisto.redaction import REDACTED, SECRET_VALUE_REASON
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import body_of, server_config
+from tests.helpers import body_of, cli, server_config
 from tests.peers import OpenAIPeer
 from tests.recorder_kernel import RecordingKernel
 
@@ -180,23 +178,7 @@ async def test_planted_secrets_leak_nowhere(
 
     # Nor does an export with every blob.
     out = tmp_path / "dump"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jupyter_themisto.cli",
-            "--store",
-            str(store_path),
-            "export",
-            "--out",
-            str(out),
-            "--snapshots",
-            "full",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
     assert done.returncode == 0, done.stderr
     files = [f for f in out.rglob("*") if f.is_file()]
     assert any(f.parent.name == "blobs" for f in files)
