@@ -95,6 +95,19 @@ async def test_a_new_user_with_an_empty_store_gets_a_suggestion(jp_fetch, store_
     assert e.value.code == 404 and "no trajectory recorded" in e.value.response.body.decode()
 
 
+def assert_prompt_cached(backend, ctx) -> None:
+    """The next-cell prompt for `ctx` is in the local model's cache, whole."""
+    from jupyter_themisto.backends._local import Completion
+    from jupyter_themisto.backends.prompts import next_cell_prompt
+
+    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
+    model = backend.shared()
+    with model.lock:
+        answer = model.model.handle_completions(backend.request(job, stream=False))
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+
+
 async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverapp):
     cells = [
         {"cell_type": "code", "source": "import numpy as np"},
@@ -106,17 +119,10 @@ async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverap
     manager = jp_serverapp.web_app.settings["themisto_manager"]
     backend = manager.backend(None)
     # The prompt of the suggestion asked next is in the engine's cache now, whole.
-    from jupyter_themisto.backends._local import Completion
-    from jupyter_themisto.backends.prompts import next_cell_prompt
     from jupyter_themisto.server.models import NextCellRequest
 
     ctx = manager.browser_context(NextCellRequest.model_validate({**body, "warm": False}))
-    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
-    model = backend.shared()
-    with model.lock:
-        answer = model.model.handle_completions(backend.request(job, stream=False))
-    usage = answer["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    assert_prompt_cached(backend, ctx)
     # A warm request for a backend with nothing to prepare is answered the same way.
     body["backend"] = "retrieval"
     r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
@@ -125,8 +131,6 @@ async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverap
 
 async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_serverapp, store_path):
     """Sent as a cell starts running: the cell is not recorded yet, but its source is read."""
-    from jupyter_themisto.backends._local import Completion
-    from jupyter_themisto.backends.prompts import next_cell_prompt
     from jupyter_themisto.context import ContextCell
 
     store = TrajectoryStore(store_path)
@@ -148,10 +152,5 @@ async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_ser
         cells=[ContextCell(source=c["source"], order_index=i) for i, c in enumerate(cells)],
         with_runtime=False,
     )
-    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
-    model = backend.shared()
-    with model.lock:
-        answer = model.model.handle_completions(backend.request(job, stream=False))
-    usage = answer["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    assert_prompt_cached(backend, ctx)
     store.close()
