@@ -49,6 +49,11 @@ async def wait_for(predicate: Callable[[], T], timeout: float = 60.0) -> T:
     raise AssertionError("timed out waiting")
 
 
+async def post(jp_fetch: Any, task: str, body: Any, **kw: Any) -> Any:
+    """POST `body` (as JSON) to /themisto/predict/<task>; the response."""
+    return await jp_fetch("themisto", "predict", task, method="POST", body=json.dumps(body), **kw)
+
+
 async def body_of(coro: Awaitable[Any]) -> bytes:
     """The response body, whether the status is a success or an error."""
     try:

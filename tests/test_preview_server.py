@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import parse_sse, run_cell, server_config, wait_for
+from tests.helpers import parse_sse, post, run_cell, server_config, wait_for
 from tests.peers import OpenAIPeer
 
 
@@ -60,9 +60,7 @@ async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: st
 
 async def predict(jp_fetch, kernel_id, source):
     body = {"kernel_id": kernel_id, "source": source, "backend": "preview"}
-    r = await jp_fetch(
-        "themisto", "predict", "output", method="POST", body=json.dumps(body), request_timeout=120
-    )
+    r = await post(jp_fetch, "output", body, request_timeout=120)
     return parse_sse(r.body.decode())
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from jupyter_themisto.redaction import REDACTED, SECRET_VALUE_REASON
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import body_of, cli, server_config
+from tests.helpers import body_of, cli, post, server_config
 from tests.peers import OpenAIPeer
 from tests.recorder_kernel import RecordingKernel
 
@@ -136,29 +136,9 @@ async def test_planted_secrets_leak_nowhere(
     ]
     for backend in ("openai", "retrieval"):
         body = {"trajectory_id": tid, "backend": backend}
-        bodies.append(
-            await body_of(
-                jp_fetch(
-                    "themisto",
-                    "predict",
-                    "next-cell",
-                    method="POST",
-                    body=json.dumps({**body, "cells": cells}),
-                )
-            )
-        )
+        bodies.append(await body_of(post(jp_fetch, "next-cell", {**body, "cells": cells})))
         source = f"check({PLANTED['inherited']!r}, {PLANTED['environ']!r})"
-        bodies.append(
-            await body_of(
-                jp_fetch(
-                    "themisto",
-                    "predict",
-                    "output",
-                    method="POST",
-                    body=json.dumps({**body, "source": source}),
-                )
-            )
-        )
+        bodies.append(await body_of(post(jp_fetch, "output", {**body, "source": source})))
     ext_log.removeHandler(handler)
 
     # The loopback model server was asked (the prompts are real) and saw no secret.

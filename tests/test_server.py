@@ -10,7 +10,7 @@ import logging
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from tests.helpers import body_of, parse_sse, server_config
+from tests.helpers import body_of, parse_sse, post, server_config
 from tests.peers import Fault, OpenAIPeer
 
 PLANTED_KEY = "sk-planted-0123456789abcdef"
@@ -70,10 +70,6 @@ def make_trajectory(store, kernel_id="k-1", n=5):
         ],
     )
     return tid, ids
-
-
-async def post(jp_fetch, route, body, **kw):
-    return await jp_fetch("themisto", "predict", route, method="POST", body=json.dumps(body), **kw)
 
 
 async def error_of(coro):

@@ -11,7 +11,7 @@ import pytest
 
 from jupyter_themisto.server.autorecord import LOADED_AT_START, OPTED_OUT
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import execute_content, run_cell, server_config, wait_for
+from tests.helpers import execute_content, post, run_cell, server_config, wait_for
 
 
 @pytest.fixture
@@ -50,9 +50,7 @@ async def test_kernels_record_automatically(jp_fetch, jp_serverapp, jp_root_dir,
     assert [r["source"] for r in rows] == ["x = 41 + 1\nprint(x)"]
     assert rows[0]["outputs"][0]["text"] == "42\n"
     # The prediction routes find the live kernel's trajectory.
-    r = await jp_fetch(
-        "themisto", "predict", "next-cell", method="POST", body=json.dumps({"kernel_id": kernel_id})
-    )
+    r = await post(jp_fetch, "next-cell", {"kernel_id": kernel_id})
     assert r.body.decode().startswith("event: meta")
     # A restart is a new kernel process: it records again, as a new trajectory.
     del app.auto_recorder.outcomes[kernel_id]
@@ -220,11 +218,5 @@ async def test_lost_executions_are_served_and_predicted_on(jp_fetch, store_path)
     rows = rows.get("executions", rows) if isinstance(rows, dict) else rows
     assert [e["status"] for e in rows] == ["ok", "lost", "ok"]
     assert "database is full" in rows[1]["detail"]
-    r = await jp_fetch(
-        "themisto",
-        "predict",
-        "next-cell",
-        method="POST",
-        body=json.dumps({"trajectory_id": tid, "backend": "retrieval"}),
-    )
+    r = await post(jp_fetch, "next-cell", {"trajectory_id": tid, "backend": "retrieval"})
     assert r.code == 200 and "event: done" in r.body.decode()

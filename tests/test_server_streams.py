@@ -9,7 +9,7 @@ import re
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from tests.helpers import server_config
+from tests.helpers import post, server_config
 from tests.peers import AnthropicPeer, Fault, OpenAIPeer
 
 KEY = "sk-ant-stream-test-0123456789"
@@ -65,7 +65,7 @@ def reset_peak() -> None:
 
 async def predict(jp_fetch, body: dict) -> tuple[int, str]:
     try:
-        r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+        r = await post(jp_fetch, "next-cell", body)
         return r.code, r.body.decode()
     except HTTPClientError as e:
         return e.code, e.response.body.decode()
