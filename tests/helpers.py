@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import nbformat
+import pytest
 from tornado.httpclient import HTTPClientError
 
 T = TypeVar("T")
@@ -52,6 +54,29 @@ async def wait_for(predicate: Callable[[], T], timeout: float = 60.0) -> T:
 async def post(jp_fetch: Any, task: str, body: Any, **kw: Any) -> Any:
     """POST `body` (as JSON) to /themisto/predict/<task>; the response."""
     return await jp_fetch("themisto", "predict", task, method="POST", body=json.dumps(body), **kw)
+
+
+async def error_of(coro: Awaitable[Any]) -> tuple[int, str]:
+    """The status and message of a request that must fail."""
+    with pytest.raises(HTTPClientError) as info:
+        await coro
+    e = info.value
+    return e.code, json.loads(e.response.body)["message"]
+
+
+def write_notebook(root: Path, name: str, metadata: dict[str, Any] | None = None) -> None:
+    """A notebook of one code cell at root/name, with `metadata`."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.update(metadata or {})
+    nb.cells.append(nbformat.v4.new_code_cell("x = 41 + 1"))
+    nbformat.write(nb, str(root / name))
+
+
+async def start_session(jp_fetch: Any, path: str) -> str:
+    """A notebook session for `path` through /api/sessions; its kernel id."""
+    body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": "python3"}}
+    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
+    return json.loads(r.body)["kernel"]["id"]
 
 
 async def body_of(coro: Awaitable[Any]) -> bytes:

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import parse_sse, post, run_cell, server_config, wait_for
+from tests.helpers import parse_sse, post, run_cell, server_config, start_session, wait_for
 from tests.peers import OpenAIPeer
 
 
@@ -42,9 +42,7 @@ async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: st
     """A notebook session whose kernel ran `setup` and recorded it."""
     nb = nbformat.v4.new_notebook()
     nbformat.write(nb, str(jp_root_dir / "p.ipynb"))
-    body = {"path": "p.ipynb", "type": "notebook", "name": "p.ipynb", "kernel": {"name": "python3"}}
-    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
-    kernel_id = json.loads(r.body)["kernel"]["id"]
+    kernel_id = await start_session(jp_fetch, "p.ipynb")
     app = jp_serverapp.web_app.settings["themisto_app"]
     await wait_for(lambda: kernel_id in app.auto_recorder.outcomes)
     await run_cell(jp_serverapp, kernel_id, setup)

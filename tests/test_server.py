@@ -10,7 +10,7 @@ import logging
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from tests.helpers import body_of, parse_sse, post, server_config
+from tests.helpers import body_of, error_of, parse_sse, post, server_config
 from tests.peers import Fault, OpenAIPeer
 
 PLANTED_KEY = "sk-planted-0123456789abcdef"
@@ -70,13 +70,6 @@ def make_trajectory(store, kernel_id="k-1", n=5):
         ],
     )
     return tid, ids
-
-
-async def error_of(coro):
-    with pytest.raises(HTTPClientError) as info:
-        await coro
-    e = info.value
-    return e.code, json.loads(e.response.body)["message"]
 
 
 async def test_trajectory_routes(jp_fetch, store):
@@ -171,6 +164,9 @@ async def test_output_prediction_retrieval(jp_fetch, store):
         ({"kernel_id": "k", "with_runtime": "perhaps"}, "with_runtime"),
         ({"kernel_id": "k", "bogus": 1}, "bogus: unknown field"),
         ({"kernel_id": "k", "cells": [{"cell_type": "slide"}]}, "cells.0.cell_type"),
+        ({"kernel_id": "k", "after_execution_count": 0}, "after_execution_count:"),
+        ({"kernel_id": "k", "after_execution_count": 2**63}, "after_execution_count:"),
+        ({"kernel_id": "k", "after_execution_count": "later"}, "after_execution_count:"),
         ([1, 2], "body"),
     ],
 )

@@ -6,12 +6,19 @@ import asyncio
 import json
 import uuid
 
-import nbformat
 import pytest
 
 from jupyter_themisto.server.autorecord import LOADED_AT_START, OPTED_OUT
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import execute_content, post, run_cell, server_config, wait_for
+from tests.helpers import (
+    execute_content,
+    post,
+    run_cell,
+    server_config,
+    start_session,
+    wait_for,
+    write_notebook,
+)
 
 
 @pytest.fixture
@@ -22,19 +29,6 @@ def auto_record():
 @pytest.fixture
 def jp_server_config(store_path, auto_record):
     return server_config(auto_record=auto_record)
-
-
-def write_notebook(root, name, metadata=None):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata.update(metadata or {})
-    nb.cells.append(nbformat.v4.new_code_cell("x = 41 + 1"))
-    nbformat.write(nb, str(root / name))
-
-
-async def start_session(jp_fetch, path):
-    body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": "python3"}}
-    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
-    return json.loads(r.body)["kernel"]["id"]
 
 
 async def test_kernels_record_automatically(jp_fetch, jp_serverapp, jp_root_dir, store_path):

@@ -215,15 +215,22 @@ class TrajectoryStore:
         self,
         *,
         notebook_path: str | None = None,
+        kernel_id: str | None = None,
         limit: int | None = None,
         offset: int = 0,
     ) -> list[dict[str, Any]]:
-        """Trajectories, newest first; optionally only those of one notebook."""
+        """Trajectories, newest first; optionally only those of one notebook and/or kernel."""
         sql = _TRAJECTORY_SELECT
+        where: list[str] = []
         args: list[Any] = []
         if notebook_path is not None:
-            sql += " WHERE t.notebook_path = ?"
+            where.append("t.notebook_path = ?")
             args.append(notebook_path)
+        if kernel_id is not None:
+            where.append("t.kernel_id = ?")
+            args.append(kernel_id)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY t.started_at DESC, t.rowid DESC LIMIT ? OFFSET ?"
         args += [-1 if limit is None else limit, offset]
         return [_trajectory_dict(r) for r in self._conn().execute(sql, args)]
@@ -312,6 +319,19 @@ class TrajectoryStore:
             (trajectory_id, -1 if limit is None else limit, offset),
         )
         return [_execution_dict(r) for r in rows]
+
+    def last_execution_count(self, trajectory_id: str) -> int | None:
+        """The execution count of a trajectory's newest execution that has one (None: none)."""
+        row = (
+            self._conn()
+            .execute(
+                "SELECT execution_count FROM executions WHERE trajectory_id = ?"
+                " AND execution_count IS NOT NULL ORDER BY order_index DESC LIMIT 1",
+                (trajectory_id,),
+            )
+            .fetchone()
+        )
+        return int(row[0]) if row else None
 
     def count_executions(self, trajectory_id: str | None = None) -> int:
         if trajectory_id is None:
