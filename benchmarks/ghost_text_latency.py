@@ -29,25 +29,13 @@ sys.path.insert(0, str(ROOT))
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
-from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, check_installed_build  # noqa: E402
-
-OBSERVER = """() => {
-  const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
-  const before = nb.querySelectorAll('.jp-Cell').length;
-  const t = (window.__t = {});
-  const obs = new MutationObserver(() => {
-    const all = nb.querySelectorAll('.jp-Cell');
-    const active = nb.querySelector('.jp-Cell.jp-mod-active');
-    if (!t.activeAt && all.length > before && active === all[all.length - 1]) {
-      t.activeAt = performance.now();
-    }
-    if (t.activeAt && !t.ghostAt && active && active.querySelector('.jp-GhostText')) {
-      t.ghostAt = performance.now();
-      obs.disconnect();
-    }
-  });
-  obs.observe(nb, { subtree: true, childList: true, attributes: true, attributeFilter: ['class'] });
-}"""
+from tests.ui.lab import (  # noqa: E402
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    GHOST_TIMING_JS,
+    JupyterLab,
+    check_installed_build,
+)
 
 
 def main() -> None:
@@ -100,7 +88,7 @@ def measure(backend: str, cells: list[str]) -> None:
                     active.locator(".cm-content").click()
                     page.keyboard.type(source)
                     if i > 0:
-                        page.evaluate(OBSERVER)
+                        page.evaluate(GHOST_TIMING_JS)
                     page.keyboard.press("Shift+Enter")
                     prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
                     expect(prompt).to_have_text(re.compile(r"\[\d+\]"))
@@ -108,12 +96,13 @@ def measure(backend: str, cells: list[str]) -> None:
                         continue
                     try:
                         page.wait_for_function(
-                            "() => window.__t && window.__t.ghostAt", timeout=5000
+                            "() => window.__themistoTiming && window.__themistoTiming.ghostAt",
+                            timeout=5000,
                         )
                     except Exception:
                         misses += 1
                         continue
-                    t = page.evaluate("() => window.__t")
+                    t = page.evaluate("() => window.__themistoTiming")
                     latencies.append(t["ghostAt"] - t["activeAt"])
                     page.wait_for_timeout(1500)  # let the suggestion stream in before the next
                     ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from next_cell_latency import free_port, start_server  # noqa: E402
+from next_cell_latency import free_port, start_server, wait_until_up  # noqa: E402
 
 from jupyter_themisto.backends import NoPrediction  # noqa: E402
 from jupyter_themisto.backends._local import Completion  # noqa: E402
@@ -164,16 +164,7 @@ async def through_server(repeat: int) -> None:
             async with httpx.AsyncClient(
                 timeout=120, headers={"Authorization": "token bench"}
             ) as client:
-                for _ in range(300):
-                    try:
-                        r = await client.get(f"{base}/themisto/backends")
-                        if r.status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await asyncio.sleep(0.1)
-                else:
-                    raise SystemExit("server did not start: " + (tmp / "server.log").read_text())
+                r = await wait_until_up(client, base, tmp / "server.log")
                 print(f"server default backend: {r.json()['default']}")
                 server = psutil.Process(proc.pid)
                 url = f"{base}/themisto/predict/next-cell"

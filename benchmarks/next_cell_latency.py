@@ -143,6 +143,19 @@ def start_server(
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
+async def wait_until_up(client: httpx.AsyncClient, base: str, log: Path) -> httpx.Response:
+    """GET /themisto/backends until the server answers it (30 s at most); its response."""
+    for _ in range(300):
+        try:
+            r = await client.get(f"{base}/themisto/backends")
+            if r.status_code == 200:
+                return r
+        except httpx.TransportError:
+            pass
+        await asyncio.sleep(0.1)
+    raise SystemExit(f"server did not start: {log.read_text(errors='replace')[-2000:]}")
+
+
 def suggestions(sse: str) -> list[str]:
     texts: dict[int, str] = {}
     names = []
@@ -175,17 +188,7 @@ async def main(n_requests: int, concurrency: int) -> None:
         body = {"kernel_id": kernel_id, "n": 3}
         try:
             async with httpx.AsyncClient(timeout=60, headers=headers) as client:
-                for _ in range(300):
-                    try:
-                        r = await client.get(f"{base}/themisto/backends")
-                        if r.status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await asyncio.sleep(0.1)
-                else:
-                    log = (tmp / "server.log").read_text(errors="replace")[-2000:]
-                    raise SystemExit(f"server did not start: {log}")
+                await wait_until_up(client, base, tmp / "server.log")
                 url = f"{base}/themisto/predict/next-cell"
                 first = await client.post(url, json=body)  # builds the index
                 expected = suggestions(first.text)

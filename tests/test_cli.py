@@ -24,6 +24,7 @@ from jupyter_themisto import metrics as M
 from jupyter_themisto.cli.export import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.context import outputs_to_text
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import cli
 from tests.peers import Fault, OpenAIPeer
 
 PNG = base64.b64encode(os.urandom(3000)).decode()
@@ -43,16 +44,6 @@ ANALYSIS = [
     "len(data)",
 ]
 SECOND = ["word = 'hello'", "word.upper()", "print(len(word))", "x = 5"]
-
-
-def cli(*args: str, store: Path | None = None, timeout: float = 300, **kw):
-    cmd = [sys.executable, "-m", "jupyter_themisto.cli"]
-    if store is not None:
-        cmd += ["--store", str(store)]
-    env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
-    return subprocess.run(
-        cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, **kw
-    )
 
 
 def write_notebook(path: Path, sources: list[str]) -> Path:

@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import parse_sse, post, run_cell, server_config, start_session, wait_for
 from tests.peers import OpenAIPeer
 
 
@@ -34,54 +35,14 @@ def jp_server_config(store_path, fallback, fallback_settings):
     if fallback:
         settings["fallback"] = fallback
     backends = {"preview": settings, **fallback_settings}
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {"auto_record": True, "backend_settings": backends},
-    }
-
-
-def parse_sse(text: str) -> list[tuple[str, dict]]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        name, data = None, None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-        events.append((name, data))
-    return events
-
-
-async def wait_for(predicate, timeout=60.0):
-    for _ in range(int(timeout / 0.1)):
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError("timed out waiting")
-
-
-async def run_cell(jp_serverapp, kernel_id, code, **kw) -> dict:
-    """Run a cell as the person would, through a client of its own; the reply content."""
-    kc = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
-    kc.start_channels()
-    try:
-        await kc.wait_for_ready(timeout=60)
-        reply = await kc.execute(code, reply=True, timeout=60, **kw)
-        assert reply["content"]["status"] == "ok"
-        return reply["content"]
-    finally:
-        kc.stop_channels()
+    return server_config(auto_record=True, backend_settings=backends)
 
 
 async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: str) -> str:
     """A notebook session whose kernel ran `setup` and recorded it."""
     nb = nbformat.v4.new_notebook()
     nbformat.write(nb, str(jp_root_dir / "p.ipynb"))
-    body = {"path": "p.ipynb", "type": "notebook", "name": "p.ipynb", "kernel": {"name": "python3"}}
-    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
-    kernel_id = json.loads(r.body)["kernel"]["id"]
+    kernel_id = await start_session(jp_fetch, "p.ipynb")
     app = jp_serverapp.web_app.settings["themisto_app"]
     await wait_for(lambda: kernel_id in app.auto_recorder.outcomes)
     await run_cell(jp_serverapp, kernel_id, setup)
@@ -97,9 +58,7 @@ async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: st
 
 async def predict(jp_fetch, kernel_id, source):
     body = {"kernel_id": kernel_id, "source": source, "backend": "preview"}
-    r = await jp_fetch(
-        "themisto", "predict", "output", method="POST", body=json.dumps(body), request_timeout=120
-    )
+    r = await post(jp_fetch, "output", body, request_timeout=120)
     return parse_sse(r.body.decode())
 
 

@@ -23,15 +23,10 @@ from jupyter_themisto.kernel.outputs import (
 )
 from jupyter_themisto.store import TrajectoryStore
 
-from .test_recorder_kernel import NOTEBOOK, RecordingKernel
+from .helpers import cli
+from .recorder_kernel import NOTEBOOK, RecordingKernel, kernel_fixture
 
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    store = tmp_path_factory.mktemp("recorder") / "trajectories.sqlite"
-    k = RecordingKernel(store, ["--ThemistoRecorder.max_output_bytes=2000"])
-    yield k
-    k.shutdown()
+kernel = kernel_fixture("recorder", "--ThemistoRecorder.max_output_bytes=2000")
 
 
 def test_trajectory_metadata(kernel):
@@ -428,21 +423,7 @@ def test_executions_while_the_store_is_locked_come_back_as_lost_rows(tmp_path):
     assert rows[0]["status"] == rows[-1]["status"] == "ok"
     # The export carries them.
     out = tmp_path / "dump"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jupyter_themisto.cli",
-            "--store",
-            str(path),
-            "export",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = cli("export", "--out", str(out), store=path)
     assert done.returncode == 0, done.stderr
     exported = [json.loads(line) for line in (out / "executions.jsonl").read_text().splitlines()]
     assert [e["status"] for e in exported][1:4] == ["lost"] * 3

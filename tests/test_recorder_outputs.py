@@ -8,24 +8,19 @@ from __future__ import annotations
 import base64
 import json
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jupyter_themisto.kernel.outputs import resolve_blob_refs
 
-from .test_recorder_kernel import RecordingKernel
+from .recorder_kernel import kernel_fixture
 
 DISPLAYED = ("display_data", "execute_result", "update_display_data")
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    store = tmp_path_factory.mktemp("outputs") / "trajectories.sqlite"
-    k = RecordingKernel(store, ["--ThemistoRecorder.snapshot_mode=off"])
-    k.run("%matplotlib inline")
-    yield k
-    k.shutdown()
+kernel = kernel_fixture(
+    "outputs", "--ThemistoRecorder.snapshot_mode=off", setup="%matplotlib inline"
+)
 
 
 def _unb64(value):

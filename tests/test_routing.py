@@ -13,18 +13,12 @@ from jupyter_themisto.backends import default_backend_name, model_files
 from jupyter_themisto.backends._local import loaded_models
 from jupyter_themisto.backends.llamacpp import local_model_installed
 from jupyter_themisto.store import TrajectoryStore
-from tests.test_server import parse_sse
+from tests.helpers import parse_sse, post, server_config
 
 
 @pytest.fixture
 def jp_server_config(store_path):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            "backend_settings": {"llamacpp": {"max_tokens": 24}},
-        },
-    }
+    return server_config(backend_settings={"llamacpp": {"max_tokens": 24}})
 
 
 def test_the_default_is_the_local_model_when_installed(monkeypatch):
@@ -52,13 +46,7 @@ async def test_the_server_routes_to_the_code_model(jp_fetch, store_path):
         store.add_execution(tid, {"source": source, "status": "ok", "execution_count": i + 1})
     store.close()
     for _ in range(2):
-        r = await jp_fetch(
-            "themisto",
-            "predict",
-            "next-cell",
-            method="POST",
-            body=json.dumps({"trajectory_id": tid, "n": 1}),
-        )
+        r = await post(jp_fetch, "next-cell", {"trajectory_id": tid, "n": 1})
         events = parse_sse(r.body.decode())
         assert events[0][0] == "meta" and events[0][1]["backend"] == "llamacpp"
         assert events[-1][0] == "done"
@@ -80,25 +68,32 @@ async def test_a_new_user_with_an_empty_store_gets_a_suggestion(jp_fetch, store_
             {"cell_type": "code", "source": "iris = pd.read_csv('iris.csv')"},
         ],
     }
-    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    r = await post(jp_fetch, "next-cell", body)
     events = parse_sse(r.body.decode())
     assert events[0][1]["backend"] == "llamacpp"
     text = "".join(d["text"] for name, d in events if name == "chunk")
     assert text.strip(), events
     # Retrieval has nothing to go on there: it says so, it does not make something up.
-    r = await jp_fetch(
-        "themisto",
-        "predict",
-        "next-cell",
-        method="POST",
-        body=json.dumps({**body, "backend": "retrieval"}),
-    )
+    r = await post(jp_fetch, "next-cell", {**body, "backend": "retrieval"})
     assert [name for name, _ in parse_sse(r.body.decode())][1] == "no_prediction"
     # Without cells there is nothing at all to go on: a clear 404.
     del body["cells"]
     with pytest.raises(HTTPClientError) as e:
-        await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+        await post(jp_fetch, "next-cell", body)
     assert e.value.code == 404 and "no trajectory recorded" in e.value.response.body.decode()
+
+
+def assert_prompt_cached(backend, ctx) -> None:
+    """The next-cell prompt for `ctx` is in the local model's cache, whole."""
+    from jupyter_themisto.backends._local import Completion
+    from jupyter_themisto.backends.prompts import next_cell_prompt
+
+    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
+    model = backend.shared()
+    with model.lock:
+        answer = model.model.handle_completions(backend.request(job, stream=False))
+    usage = answer["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
 
 
 async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverapp):
@@ -107,32 +102,23 @@ async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverap
         {"cell_type": "code", "source": "xs = np.linspace(0, 1, 50)"},
     ]
     body = {"notebook_path": "w.ipynb", "kernel_id": "k-warm", "cells": cells, "warm": True}
-    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    r = await post(jp_fetch, "next-cell", body)
     assert r.code == 204 and r.body == b""
     manager = jp_serverapp.web_app.settings["themisto_manager"]
     backend = manager.backend(None)
     # The prompt of the suggestion asked next is in the engine's cache now, whole.
-    from jupyter_themisto.backends._local import Completion
-    from jupyter_themisto.backends.prompts import next_cell_prompt
     from jupyter_themisto.server.models import NextCellRequest
 
     ctx = manager.browser_context(NextCellRequest.model_validate({**body, "warm": False}))
-    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
-    model = backend.shared()
-    with model.lock:
-        answer = model.model.handle_completions(backend.request(job, stream=False))
-    usage = answer["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    assert_prompt_cached(backend, ctx)
     # A warm request for a backend with nothing to prepare is answered the same way.
     body["backend"] = "retrieval"
-    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    r = await post(jp_fetch, "next-cell", body)
     assert r.code == 204
 
 
 async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_serverapp, store_path):
     """Sent as a cell starts running: the cell is not recorded yet, but its source is read."""
-    from jupyter_themisto.backends._local import Completion
-    from jupyter_themisto.backends.prompts import next_cell_prompt
     from jupyter_themisto.context import ContextCell
 
     store = TrajectoryStore(store_path)
@@ -143,7 +129,7 @@ async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_ser
     running = "ys = xs ** 2"
     cells = [{"cell_type": "code", "source": s} for s in [*recorded, running]]
     body = {"kernel_id": "k-run", "cells": cells, "warm": True, "with_runtime": False}
-    r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+    r = await post(jp_fetch, "next-cell", body)
     assert r.code == 204
     manager = jp_serverapp.web_app.settings["themisto_manager"]
     backend = manager.backend(None)
@@ -154,10 +140,5 @@ async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_ser
         cells=[ContextCell(source=c["source"], order_index=i) for i, c in enumerate(cells)],
         with_runtime=False,
     )
-    job = Completion.of(next_cell_prompt(ctx, backend.prompt_options), 2)
-    model = backend.shared()
-    with model.lock:
-        answer = model.model.handle_completions(backend.request(job, stream=False))
-    usage = answer["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    assert_prompt_cached(backend, ctx)
     store.close()

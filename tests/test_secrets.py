@@ -9,16 +9,14 @@ from __future__ import annotations
 import io
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
-from tornado.httpclient import HTTPClientError
 
 from jupyter_themisto.redaction import REDACTED, SECRET_VALUE_REASON
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import body_of, cli, post, server_config
 from tests.peers import OpenAIPeer
-from tests.test_recorder_kernel import RecordingKernel
+from tests.recorder_kernel import RecordingKernel
 
 PLANTED = {
     "name": "hunter2-planted-value-0001",
@@ -54,16 +52,12 @@ def peer():
 
 @pytest.fixture
 def jp_server_config(store_path, peer):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            # Not the embedded model (the default with the [llm] extra): these tests are not
-            # about it, and it would answer slowly on a busy machine.
-            "default_backend": "retrieval",
-            "backend_settings": {"openai": {"base_url": peer.url, "max_retries": 0}},
-        },
-    }
+    return server_config(
+        # Not the embedded model (the default with the [llm] extra): these tests are not
+        # about it, and it would answer slowly on a busy machine.
+        default_backend="retrieval",
+        backend_settings={"openai": {"base_url": peer.url, "max_retries": 0}},
+    )
 
 
 @pytest.fixture
@@ -92,13 +86,6 @@ def leaks(data: bytes | str) -> list[str]:
         if value.encode() in data or value.encode("utf-32-le") in data:
             found.append(name)
     return found
-
-
-async def body_of(coro) -> bytes:
-    try:
-        return (await coro).body
-    except HTTPClientError as e:
-        return e.response.body
 
 
 async def test_planted_secrets_leak_nowhere(
@@ -149,29 +136,9 @@ async def test_planted_secrets_leak_nowhere(
     ]
     for backend in ("openai", "retrieval"):
         body = {"trajectory_id": tid, "backend": backend}
-        bodies.append(
-            await body_of(
-                jp_fetch(
-                    "themisto",
-                    "predict",
-                    "next-cell",
-                    method="POST",
-                    body=json.dumps({**body, "cells": cells}),
-                )
-            )
-        )
+        bodies.append(await body_of(post(jp_fetch, "next-cell", {**body, "cells": cells})))
         source = f"check({PLANTED['inherited']!r}, {PLANTED['environ']!r})"
-        bodies.append(
-            await body_of(
-                jp_fetch(
-                    "themisto",
-                    "predict",
-                    "output",
-                    method="POST",
-                    body=json.dumps({**body, "source": source}),
-                )
-            )
-        )
+        bodies.append(await body_of(post(jp_fetch, "output", {**body, "source": source})))
     ext_log.removeHandler(handler)
 
     # The loopback model server was asked (the prompts are real) and saw no secret.
@@ -191,23 +158,7 @@ async def test_planted_secrets_leak_nowhere(
 
     # Nor does an export with every blob.
     out = tmp_path / "dump"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jupyter_themisto.cli",
-            "--store",
-            str(store_path),
-            "export",
-            "--out",
-            str(out),
-            "--snapshots",
-            "full",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
     assert done.returncode == 0, done.stderr
     files = [f for f in out.rglob("*") if f.is_file()]
     assert any(f.parent.name == "blobs" for f in files)

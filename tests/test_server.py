@@ -10,17 +10,10 @@ import logging
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import body_of, error_of, parse_sse, post, server_config
 from tests.peers import Fault, OpenAIPeer
 
 PLANTED_KEY = "sk-planted-0123456789abcdef"
-
-
-@pytest.fixture
-def store(store_path):
-    s = TrajectoryStore(store_path)
-    yield s
-    s.close()
 
 
 @pytest.fixture
@@ -31,23 +24,19 @@ def peer():
 
 @pytest.fixture
 def jp_server_config(store_path, peer):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            "default_backend": "retrieval",  # the server's choice is tested in test_routing.py
-            "prediction_timeout": 5.0,
-            "backend_settings": {
-                "openai": {
-                    "base_url": peer.url,
-                    "api_key": PLANTED_KEY,
-                    "timeout": 2.0,
-                    "max_retries": 1,
-                    "backoff": 0.05,
-                }
-            },
+    return server_config(
+        default_backend="retrieval",  # the server's choice is tested in test_routing.py
+        prediction_timeout=5.0,
+        backend_settings={
+            "openai": {
+                "base_url": peer.url,
+                "api_key": PLANTED_KEY,
+                "timeout": 2.0,
+                "max_retries": 1,
+                "backoff": 0.05,
+            }
         },
-    }
+    )
 
 
 def make_trajectory(store, kernel_id="k-1", n=5):
@@ -81,30 +70,6 @@ def make_trajectory(store, kernel_id="k-1", n=5):
         ],
     )
     return tid, ids
-
-
-def parse_sse(text: str) -> list[tuple[str, dict]]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        name, data = None, None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-        events.append((name, data))
-    return events
-
-
-async def post(jp_fetch, route, body, **kw):
-    return await jp_fetch("themisto", "predict", route, method="POST", body=json.dumps(body), **kw)
-
-
-async def error_of(coro):
-    with pytest.raises(HTTPClientError) as info:
-        await coro
-    e = info.value
-    return e.code, json.loads(e.response.body)["message"]
 
 
 async def test_trajectory_routes(jp_fetch, store):
@@ -352,14 +317,6 @@ async def test_unauthenticated_requests_are_refused(jp_fetch, store, method, par
     with pytest.raises(HTTPClientError) as info:
         await jp_fetch(*parts, method=method, headers={"Authorization": ""}, **kw)
     assert info.value.code == 403
-
-
-async def body_of(coro) -> bytes:
-    """The response body, whether the status is a success or an error."""
-    try:
-        return (await coro).body
-    except HTTPClientError as e:
-        return e.response.body
 
 
 async def test_planted_key_never_leaks(jp_fetch, jp_serverapp, store, peer, caplog):

@@ -6,11 +6,19 @@ import asyncio
 import json
 import uuid
 
-import nbformat
 import pytest
 
 from jupyter_themisto.server.autorecord import LOADED_AT_START, OPTED_OUT
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import (
+    execute_content,
+    post,
+    run_cell,
+    server_config,
+    start_session,
+    wait_for,
+    write_notebook,
+)
 
 
 @pytest.fixture
@@ -20,43 +28,7 @@ def auto_record():
 
 @pytest.fixture
 def jp_server_config(store_path, auto_record):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {"auto_record": auto_record},
-    }
-
-
-def write_notebook(root, name, metadata=None):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata.update(metadata or {})
-    nb.cells.append(nbformat.v4.new_code_cell("x = 41 + 1"))
-    nbformat.write(nb, str(root / name))
-
-
-async def start_session(jp_fetch, path):
-    body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": "python3"}}
-    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
-    return json.loads(r.body)["kernel"]["id"]
-
-
-async def run_cell(jp_serverapp, kernel_id, code):
-    kc = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
-    kc.start_channels()
-    try:
-        await kc.wait_for_ready(timeout=60)
-        reply = await kc.execute(code, reply=True, timeout=60)
-        assert reply["content"]["status"] == "ok"
-    finally:
-        kc.stop_channels()
-
-
-async def wait_for(predicate, timeout=60.0):
-    for _ in range(int(timeout / 0.1)):
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError("timed out waiting")
+    return server_config(auto_record=auto_record)
 
 
 async def test_kernels_record_automatically(jp_fetch, jp_serverapp, jp_root_dir, store_path):
@@ -72,9 +44,7 @@ async def test_kernels_record_automatically(jp_fetch, jp_serverapp, jp_root_dir,
     assert [r["source"] for r in rows] == ["x = 41 + 1\nprint(x)"]
     assert rows[0]["outputs"][0]["text"] == "42\n"
     # The prediction routes find the live kernel's trajectory.
-    r = await jp_fetch(
-        "themisto", "predict", "next-cell", method="POST", body=json.dumps({"kernel_id": kernel_id})
-    )
+    r = await post(jp_fetch, "next-cell", {"kernel_id": kernel_id})
     assert r.body.decode().startswith("event: meta")
     # A restart is a new kernel process: it records again, as a new trajectory.
     del app.auto_recorder.outcomes[kernel_id]
@@ -129,19 +99,11 @@ def execute_request(code):
         "date": "",
         "version": "5.3",
     }
-    content = {
-        "code": code,
-        "silent": False,
-        "store_history": True,
-        "user_expressions": {},
-        "allow_stdin": False,
-        "stop_on_error": False,
-    }
     msg = {
         "header": header,
         "parent_header": {},
         "metadata": {"cellId": f"cell-{msg_id[:6]}"},
-        "content": content,
+        "content": execute_content(code),
         "channel": "shell",
         "buffers": [],
     }
@@ -250,11 +212,5 @@ async def test_lost_executions_are_served_and_predicted_on(jp_fetch, store_path)
     rows = rows.get("executions", rows) if isinstance(rows, dict) else rows
     assert [e["status"] for e in rows] == ["ok", "lost", "ok"]
     assert "database is full" in rows[1]["detail"]
-    r = await jp_fetch(
-        "themisto",
-        "predict",
-        "next-cell",
-        method="POST",
-        body=json.dumps({"trajectory_id": tid, "backend": "retrieval"}),
-    )
+    r = await post(jp_fetch, "next-cell", {"trajectory_id": tid, "backend": "retrieval"})
     assert r.code == 200 and "event: done" in r.body.decode()

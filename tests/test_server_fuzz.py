@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tornado.httpclient import HTTPClientError
 
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import server_config
 from tests.peers import AnthropicPeer, OpenAIPeer
 
 EXAMPLES = int(os.environ.get("THEMISTO_FUZZ_EXAMPLES", "100"))
@@ -47,22 +48,18 @@ def peers():
 def jp_server_config(store_path, peers):
     o, a = peers
     quick = {"timeout": 5.0, "max_retries": 0}
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            # Not the embedded model (the default with the [llm] extra): these tests are not
-            # about it, and it would answer slowly on a busy machine.
-            "default_backend": "retrieval",
-            "prediction_timeout": 20.0,
-            "snapshot_wait": 0.2,
-            "execution_wait": 0.2,
-            "backend_settings": {
-                "openai": {"base_url": o.url, "api_key": "sk-fuzz-0123456789", **quick},
-                "anthropic": {"base_url": a.base, "api_key": "fuzz-key", **quick},
-            },
+    return server_config(
+        # Not the embedded model (the default with the [llm] extra): these tests are not
+        # about it, and it would answer slowly on a busy machine.
+        default_backend="retrieval",
+        prediction_timeout=20.0,
+        snapshot_wait=0.2,
+        execution_wait=0.2,
+        backend_settings={
+            "openai": {"base_url": o.url, "api_key": "sk-fuzz-0123456789", **quick},
+            "anthropic": {"base_url": a.base, "api_key": "fuzz-key", **quick},
         },
-    }
+    )
 
 
 @pytest.fixture

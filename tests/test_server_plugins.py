@@ -9,6 +9,7 @@ import pytest
 
 from jupyter_themisto.backends import available_backends, create_backend
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import post, server_config
 
 PLUGIN = textwrap.dedent(
     '''
@@ -57,14 +58,7 @@ def plugin_dist(tmp_path, monkeypatch):
 
 @pytest.fixture
 def jp_server_config(store_path, plugin_dist):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            "default_backend": "echo",
-            "backend_settings": {"echo": {"prefix": "# again\n"}},
-        },
-    }
+    return server_config(default_backend="echo", backend_settings={"echo": {"prefix": "# again\n"}})
 
 
 def test_registry_finds_the_plugin(plugin_dist):
@@ -84,22 +78,10 @@ async def test_server_serves_the_plugin_backend(jp_fetch, store_path):
     # Broken plugins are listed as unhealthy; they do not hide the others.
     assert entries["broken"]["health"]["ok"] is False
     assert "cannot be loaded" in entries["missing"]["health"]["detail"]
-    r = await jp_fetch(
-        "themisto",
-        "predict",
-        "next-cell",
-        method="POST",
-        body=json.dumps({"kernel_id": "k", "n": 2}),
-    )
+    r = await post(jp_fetch, "next-cell", {"kernel_id": "k", "n": 2})
     text = r.body.decode()
     assert '"backend": "echo"' in text
     assert text.count('"text": "# again\\nprint(\'hi\')"') == 2
-    r = await jp_fetch(
-        "themisto",
-        "predict",
-        "output",
-        method="POST",
-        body=json.dumps({"trajectory_id": tid, "source": "abc"}),
-    )
+    r = await post(jp_fetch, "output", {"trajectory_id": tid, "source": "abc"})
     assert '"text": "ABC"' in r.body.decode()
     store.close()

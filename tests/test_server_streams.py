@@ -9,20 +9,13 @@ import re
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import post, server_config
 from tests.peers import AnthropicPeer, Fault, OpenAIPeer
 
 KEY = "sk-ant-stream-test-0123456789"
 # Each endless answer stops there at the latest: a regression fails instead of filling the
 # shared machine (unbounded, four of them grew a server from 98 MB to 1.76 GB).
 LIMIT = 512 << 20
-
-
-@pytest.fixture
-def store(store_path):
-    s = TrajectoryStore(store_path)
-    yield s
-    s.close()
 
 
 @pytest.fixture
@@ -36,20 +29,16 @@ def jp_server_config(store_path, peers):
     # Default line and event bounds; a smaller total keeps the endless stream of valid events
     # (each one relayed to the browser) short.
     settings = {"timeout": 10.0, "max_retries": 0, "max_response_bytes": 2 << 20}
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": False,
-            # Not the embedded model (the default with the [llm] extra): these tests are not
-            # about it, and it would answer slowly on a busy machine.
-            "default_backend": "retrieval",
-            "prediction_timeout": 60.0,
-            "backend_settings": {
-                "openai": {"base_url": peers["openai"].url, **settings},
-                "anthropic": {"base_url": peers["anthropic"].base, "api_key": KEY, **settings},
-            },
+    return server_config(
+        # Not the embedded model (the default with the [llm] extra): these tests are not
+        # about it, and it would answer slowly on a busy machine.
+        default_backend="retrieval",
+        prediction_timeout=60.0,
+        backend_settings={
+            "openai": {"base_url": peers["openai"].url, **settings},
+            "anthropic": {"base_url": peers["anthropic"].base, "api_key": KEY, **settings},
         },
-    }
+    )
 
 
 def chunk_text(sse: str) -> str:
@@ -76,7 +65,7 @@ def reset_peak() -> None:
 
 async def predict(jp_fetch, body: dict) -> tuple[int, str]:
     try:
-        r = await jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+        r = await post(jp_fetch, "next-cell", body)
         return r.code, r.body.decode()
     except HTTPClientError as e:
         return e.code, e.response.body.decode()

@@ -20,8 +20,15 @@ import pytest
 
 from jupyter_themisto.server.autorecord import LOADED_AT_START, OPTED_OUT
 from jupyter_themisto.store import TrajectoryStore
-from tests.test_server import error_of, parse_sse
-from tests.test_server_autorecord import start_session, wait_for, write_notebook
+from tests.helpers import (
+    error_of,
+    parse_sse,
+    post,
+    server_config,
+    start_session,
+    wait_for,
+    write_notebook,
+)
 
 # An earlier session the retrieval backend learns from: after these three cells came the fourth.
 HISTORY = [
@@ -39,14 +46,9 @@ def execution_wait():
 
 @pytest.fixture
 def jp_server_config(store_path, execution_wait):
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {
-            "auto_record": True,
-            "default_backend": "retrieval",
-            "execution_wait": execution_wait,
-        },
-    }
+    return server_config(
+        auto_record=True, default_backend="retrieval", execution_wait=execution_wait
+    )
 
 
 @pytest.fixture
@@ -93,14 +95,7 @@ async def run(kc, code: str) -> int:
 
 
 async def next_cell(jp_fetch, body: dict) -> list[tuple[str, dict]]:
-    r = await jp_fetch(
-        "themisto",
-        "predict",
-        "next-cell",
-        method="POST",
-        body=json.dumps(body),
-        request_timeout=120,
-    )
+    r = await post(jp_fetch, "next-cell", body, request_timeout=120)
     return parse_sse(r.body.decode())
 
 

@@ -14,25 +14,18 @@ import zstandard
 
 from jupyter_themisto.store import TrajectoryStore
 
-from .test_recorder_kernel import RecordingKernel
+from .recorder_kernel import RecordingKernel, kernel_fixture
 
 SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    store = tmp_path_factory.mktemp("snapshots") / "trajectories.sqlite"
-    # Cells here come faster than a loaded machine may finish snapshots: no skipping.
-    # What the fork child does: no snapshot taken by the kernel itself (see test_small_...).
-    k = RecordingKernel(
-        store,
-        [
-            "--ThemistoRecorder.max_snapshot_children=16",
-            "--ThemistoRecorder.small_snapshot_seconds=0",
-        ],
-    )
-    yield k
-    k.shutdown()
+# Cells here come faster than a loaded machine may finish snapshots: no skipping.
+# What the fork child does: no snapshot taken by the kernel itself (see test_small_...).
+kernel = kernel_fixture(
+    "snapshots",
+    "--ThemistoRecorder.max_snapshot_children=16",
+    "--ThemistoRecorder.small_snapshot_seconds=0",
+)
 
 
 def test_summaries_of_common_values(kernel):

@@ -20,7 +20,13 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from jupyter_themisto.store import TrajectoryStore
 from tests.peers import Fault, OpenAIPeer
-from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, check_installed_build
+from tests.ui.lab import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    GHOST_TIMING_JS,
+    JupyterLab,
+    check_installed_build,
+)
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 TIMEOUT_MS = 30_000
@@ -220,28 +226,7 @@ def test_ghost_text_after_three_runs_and_tab_accepts(page: Page, lab: JupyterLab
     open_notebook(page, lab, "ghost.ipynb")
     run_cell(page, HISTORY[0])
     run_cell(page, HISTORY[1])
-    # Watch, in the page, for the new empty cell becoming active and its ghost text appearing.
-    page.evaluate(
-        """() => {
-        const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
-        const before = nb.querySelectorAll('.jp-Cell').length;
-        window.__themistoTiming = {};
-        const t = window.__themistoTiming;
-        const check = () => {
-          const all = nb.querySelectorAll('.jp-Cell');
-          const active = nb.querySelector('.jp-Cell.jp-mod-active');
-          if (!t.activeAt && all.length > before && active === all[all.length - 1]) {
-            t.activeAt = performance.now();
-          }
-          if (t.activeAt && !t.ghostAt && active && active.querySelector('.jp-GhostText')) {
-            t.ghostAt = performance.now();
-          }
-        };
-        new MutationObserver(check).observe(nb, {
-          subtree: true, childList: true, attributes: true, attributeFilter: ['class']
-        });
-      }"""
-    )
+    page.evaluate(GHOST_TIMING_JS)
     asked = next_cell_requests(page)
     run_cell(page, HISTORY[2])
     ghost = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active .jp-GhostText")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+
+from .base import NoPrediction, OutputChunk
 
 
 class FenceStripper:
@@ -62,6 +64,28 @@ def _may_be_fence(partial_line: str) -> bool:
     """Whether a line that begins so could still be a fence line."""
     head = partial_line.lstrip()[:3]
     return "```".startswith(head)
+
+
+async def unfenced(texts: AsyncIterable[str]) -> AsyncIterator[tuple[str, bool]]:
+    """Streamed model text through one FenceStripper: (text, False) for each non-empty piece
+    as it passes, then (what was held back, True), possibly empty."""
+    s = FenceStripper()
+    async for text in texts:
+        out = s.feed(text)
+        if out:
+            yield out, False
+    yield s.finish(), True
+
+
+async def output_chunks(texts: AsyncIterable[str]) -> AsyncIterator[OutputChunk]:
+    """An output prediction streamed from a model's text, code fences stripped."""
+    got = False
+    async for out, _last in unfenced(texts):
+        if out:
+            got = True
+            yield OutputChunk(text=out)
+    if not got:
+        raise NoPrediction("the model returned no output prediction")
 
 
 def strip_code_fences(text: str) -> str:

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr
 
 from ..context import PredictionContext
 from ._http import HTTPPredictor, HTTPSettings, parse_json
-from ._text import FenceStripper
+from ._text import output_chunks, unfenced
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
@@ -91,29 +91,13 @@ class AnthropicPredictor(HTTPPredictor):
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
-        s = FenceStripper()
         got = False
-        async for text in self._stream(ctx, "next-cell"):
-            out = s.feed(text)
-            if out:
-                got = True
-                yield NextCellChunk(index=0, text=out)
-        rest = s.finish()
-        if not got and not rest.strip():
-            raise NoPrediction("the model returned no suggestion")
-        yield NextCellChunk(index=0, text=rest, done=True)
+        async for out, last in unfenced(self._stream(ctx, "next-cell")):
+            if last and not got and not out.strip():
+                raise NoPrediction("the model returned no suggestion")
+            got = True
+            yield NextCellChunk(index=0, text=out, done=last)
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
-        s = FenceStripper()
-        got = False
-        async for text in self._stream(ctx, "output"):
-            out = s.feed(text)
-            if out:
-                got = True
-                yield OutputChunk(text=out)
-        rest = s.finish()
-        if rest:
-            got = True
-            yield OutputChunk(text=rest)
-        if not got:
-            raise NoPrediction("the model returned no output prediction")
+        async for chunk in output_chunks(self._stream(ctx, "output")):
+            yield chunk

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr
 
 from ..context import PredictionContext
 from ._http import HTTPPredictor, HTTPSettings, parse_json
-from ._text import FenceStripper
+from ._text import FenceStripper, output_chunks
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
@@ -139,18 +139,6 @@ class OpenAIPredictor(HTTPPredictor):
             raise NoPrediction("the model returned no suggestion")
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
-        s = FenceStripper()
-        got = False
-        async for index, text in self._stream(ctx, "output", 1):
-            if index != 0:
-                continue
-            out = s.finish() if text is None else s.feed(text)
-            if out:
-                got = True
-                yield OutputChunk(text=out)
-        rest = s.finish()
-        if rest:
-            got = True
-            yield OutputChunk(text=rest)
-        if not got:
-            raise NoPrediction("the model returned no output prediction")
+        texts = self._stream(ctx, "output", 1)
+        async for chunk in output_chunks(t async for i, t in texts if i == 0 and t is not None):
+            yield chunk

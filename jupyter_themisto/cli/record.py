@@ -146,19 +146,23 @@ async def _shell_reply(client: Any, msg_id: str, timeout: float, what: str) -> d
 
 
 async def _execute_silent(
-    client: Any, code: str, timeout: float = 60.0, what: str = "loading the recorder"
+    client: Any,
+    code: str,
+    timeout: float = 60.0,
+    what: str = "loading the recorder",
+    **kw: Any,
 ) -> dict[str, Any]:
     """A silent execute (no run_cell hooks, no history); returns the reply content."""
-    msg_id = client.kc.execute(code, silent=True, store_history=False)
+    msg_id = client.kc.execute(code, silent=True, store_history=False, **kw)
     return (await _shell_reply(client, msg_id, timeout, what))["content"]
 
 
 async def _query(client: Any, expression: str, timeout: float = 60.0) -> Any:
     """Evaluate an expression silently (a user_expression of a silent execute)."""
-    kc = client.kc
-    msg_id = kc.execute("", silent=True, store_history=False, user_expressions={"v": expression})
-    reply = await _shell_reply(client, msg_id, timeout, "asking the recorder")
-    value = reply["content"].get("user_expressions", {}).get("v", {})
+    content = await _execute_silent(
+        client, "", timeout, "asking the recorder", user_expressions={"v": expression}
+    )
+    value = content.get("user_expressions", {}).get("v", {})
     if value.get("status") != "ok":
         raise CliError(
             f"the recorder did not load in the kernel: {value.get('ename')}: {value.get('evalue')}"

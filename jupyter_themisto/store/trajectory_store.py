@@ -424,12 +424,6 @@ class TrajectoryStore:
                 marked += 1
         return marked
 
-    def set_snapshot_status(self, execution_id: int, status: str) -> None:
-        with self._write() as conn:
-            conn.execute(
-                "UPDATE executions SET snapshot_status = ? WHERE id = ?", (status, execution_id)
-            )
-
     # -- blobs -------------------------------------------------------------------------------
 
     def put_blob(self, data: bytes | memoryview, digest: str | None = None) -> str:

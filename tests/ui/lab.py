@@ -27,6 +27,26 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
+# Watches, in the page, for the new empty cell becoming active and then its ghost text
+# appearing: `window.__themistoTiming` gets their times (activeAt, ghostAt; performance.now()).
+GHOST_TIMING_JS = """() => {
+  const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+  const before = nb.querySelectorAll('.jp-Cell').length;
+  const t = (window.__themistoTiming = {});
+  const obs = new MutationObserver(() => {
+    const all = nb.querySelectorAll('.jp-Cell');
+    const active = nb.querySelector('.jp-Cell.jp-mod-active');
+    if (!t.activeAt && all.length > before && active === all[all.length - 1]) {
+      t.activeAt = performance.now();
+    }
+    if (t.activeAt && !t.ghostAt && active && active.querySelector('.jp-GhostText')) {
+      t.ghostAt = performance.now();
+      obs.disconnect();
+    }
+  });
+  obs.observe(nb, { subtree: true, childList: true, attributes: true, attributeFilter: ['class'] });
+}"""
+
 # User settings written before the lab starts: no news toast over the screenshots, our provider
 # explicitly on, no streaming animation (the test compares the ghost text with what Tab inserts).
 USER_SETTINGS: dict[str, dict[str, Any]] = {

@@ -5,7 +5,6 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 import {
-  IBackendInfo,
   IExecution,
   IPredictRequest,
   IPredictionResult,
@@ -83,13 +82,6 @@ export async function listExecutions(
   return requestJSON(
     `trajectories/${encodeURIComponent(trajectoryId)}/executions?offset=${offset}&limit=${limit}`
   );
-}
-
-export async function listBackends(): Promise<{
-  default: string;
-  backends: IBackendInfo[];
-}> {
-  return requestJSON('backends');
 }
 
 /**

@@ -30,13 +30,6 @@ export interface IExecution {
   snapshot_status: string | null;
 }
 
-export interface IBackendInfo {
-  name: string;
-  description: string;
-  tasks: string[];
-  health: { ok: boolean; detail: string };
-}
-
 /** A cell of the notebook as the prediction request carries it. */
 export interface INotebookCell {
   cell_type: string;

@@ -1,19 +1,23 @@
 """A real ipykernel with the recorder loaded, driven through the Jupyter protocol (test helper).
 
-Holds no tests itself: tests/test_recorder.py and tests/test_snapshots.py import it.
+Holds no tests itself: the recorder's test modules import it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from jupyter_client.manager import KernelManager
 
 from jupyter_themisto.store import TrajectoryStore
+
+from .helpers import execute_content
 
 NOTEBOOK = "analysis/notebook.ipynb"
 SETTLE = (
@@ -51,15 +55,7 @@ class RecordingKernel:
         self.kc.wait_for_ready(timeout=90)
 
     def send(self, code: str, cell_id: str | None = None) -> str:
-        content = {
-            "code": code,
-            "silent": False,
-            "store_history": True,
-            "user_expressions": {},
-            "allow_stdin": False,
-            "stop_on_error": False,
-        }
-        msg = self.kc.session.msg("execute_request", content)
+        msg = self.kc.session.msg("execute_request", execute_content(code))
         if cell_id is not None:
             msg["metadata"]["cellId"] = cell_id
         self.kc.shell_channel.send(msg)
@@ -135,3 +131,20 @@ class RecordingKernel:
             self.kc.stop_channels()
         finally:
             self.km.shutdown_kernel(now=True)
+
+
+def kernel_fixture(folder: str, *arguments: str, setup: str | None = None) -> Any:
+    """A module-scoped fixture: a RecordingKernel started with `arguments` (after running
+    `setup`, if given) on a store in its own temporary `folder`, shut down after the module."""
+
+    @pytest.fixture(scope="module")
+    def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingKernel]:
+        k = RecordingKernel(tmp_path_factory.mktemp(folder) / "trajectories.sqlite", [*arguments])
+        try:
+            if setup is not None:
+                k.run(setup)
+            yield k
+        finally:
+            k.shutdown()
+
+    return kernel

@@ -1,0 +1,125 @@
+"""Helpers tests share: SSE parsing, polling, a server config, running a cell, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import nbformat
+import pytest
+from tornado.httpclient import HTTPClientError
+
+T = TypeVar("T")
+
+
+def server_config(**themisto: Any) -> dict[str, Any]:
+    """A jp_server_config with the extension enabled; `themisto` overrides its traitlets
+    (auto-record is off unless a test turns it on)."""
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
+        "ThemistoExtensionApp": {"auto_record": False, **themisto},
+    }
+
+
+def parse_sse(text: str) -> list[tuple[str | None, Any]]:
+    """A server-sent-event body as (event name, decoded data) pairs, in order."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+        events.append((name, data))
+    return events
+
+
+async def wait_for(predicate: Callable[[], T], timeout: float = 60.0) -> T:
+    """The first truthy value of `predicate()`, polled every 0.1 s for up to `timeout`."""
+    for _ in range(int(timeout / 0.1)):
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError("timed out waiting")
+
+
+async def post(jp_fetch: Any, task: str, body: Any, **kw: Any) -> Any:
+    """POST `body` (as JSON) to /themisto/predict/<task>; the response."""
+    return await jp_fetch("themisto", "predict", task, method="POST", body=json.dumps(body), **kw)
+
+
+async def error_of(coro: Awaitable[Any]) -> tuple[int, str]:
+    """The status and message of a request that must fail."""
+    with pytest.raises(HTTPClientError) as info:
+        await coro
+    e = info.value
+    return e.code, json.loads(e.response.body)["message"]
+
+
+def write_notebook(root: Path, name: str, metadata: dict[str, Any] | None = None) -> None:
+    """A notebook of one code cell at root/name, with `metadata`."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata.update(metadata or {})
+    nb.cells.append(nbformat.v4.new_code_cell("x = 41 + 1"))
+    nbformat.write(nb, str(root / name))
+
+
+async def start_session(jp_fetch: Any, path: str) -> str:
+    """A notebook session for `path` through /api/sessions; its kernel id."""
+    body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": "python3"}}
+    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
+    return json.loads(r.body)["kernel"]["id"]
+
+
+async def body_of(coro: Awaitable[Any]) -> bytes:
+    """The response body, whether the status is a success or an error."""
+    try:
+        return (await coro).body
+    except HTTPClientError as e:
+        return e.response.body
+
+
+async def run_cell(jp_serverapp: Any, kernel_id: str, code: str, **kw: Any) -> dict[str, Any]:
+    """Run a cell as the person would, through a client of its own; the reply content."""
+    kc = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute(code, reply=True, timeout=60, **kw)
+        assert reply["content"]["status"] == "ok"
+        return reply["content"]
+    finally:
+        kc.stop_channels()
+
+
+def execute_content(code: str) -> dict[str, Any]:
+    """An execute_request's content as JupyterLab sends it for a cell."""
+    return {
+        "code": code,
+        "silent": False,
+        "store_history": True,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": False,
+    }
+
+
+def cli(
+    *args: str, store: Path | None = None, timeout: float = 300, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """`python -m jupyter_themisto.cli ARGS` (on `store` if given, never on the environment's)."""
+    cmd = [sys.executable, "-m", "jupyter_themisto.cli"]
+    if store is not None:
+        cmd += ["--store", str(store)]
+    env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
+    return subprocess.run(
+        cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, **kw
+    )
