@@ -13,7 +13,6 @@ repeat-previous baseline), so their lengths are realistic.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys

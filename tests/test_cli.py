@@ -21,8 +21,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from jupyter_themisto import metrics as M
-from jupyter_themisto.dump import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.context import outputs_to_text
+from jupyter_themisto.dump import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.store import TrajectoryStore
 from tests.peers import Fault, OpenAIPeer
 

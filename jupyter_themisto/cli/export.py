@@ -11,7 +11,6 @@ The folder is built under a temporary name and renamed when complete; its files 
 get the modes the umask gives.
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -91,4 +90,3 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"instances) to {args.out}"
     )
     return 0
-

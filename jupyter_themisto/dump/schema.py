@@ -165,6 +165,7 @@ def json_schema(fields: list[tuple[str, Any, str, str]], title: str) -> dict[str
         "required": [n for n, *_ in fields],
     }
 
+
 def _field_table(fields: list[tuple[str, Any, str, str]]) -> str:
     lines = ["| field | type | description |", "|---|---|---|"]
     for name, _, arrow, desc in fields:
