@@ -6,7 +6,8 @@ seeded with one earlier trajectory of `--cells` cells), opens a notebook in Debi
 through Playwright, and runs the same cells one by one with Shift+Enter. After each run past
 the first, the new empty cell becomes active and its ghost text appears; an in-page
 MutationObserver timestamps both. The figure includes waiting for the cell just run to be
-answered and recorded (the plugin predicts from the recorded trajectory). Target: <= 300 ms.
+answered and recorded (the request names the execution it follows; the server answers once
+that is recorded). Target: <= 300 ms.
 
     .venv/bin/python benchmarks/ghost_text_latency.py [--cells 12] [--backends retrieval,llamacpp]
 """

@@ -120,7 +120,7 @@ def figures(summary: dict, model: str, results: Path) -> list[str]:
 
 
 def unknown_names(dump: Path, results: Path, name: str) -> str | None:
-    """How many of a with-runtime next-cell run's answers read names the live kernel lacks
+    """How many of a with-runtime next-cell run's whole answers read names the live kernel lacks
     (backends/checks.py: NameError, a list's missing attribute, a DataFrame's missing column
     when run), and their chrF beside the others': the room a runtime check has to help."""
     from jupyter_themisto.backends.checks import unknown_references
@@ -128,7 +128,8 @@ def unknown_names(dump: Path, results: Path, name: str) -> str | None:
 
     path = results / f"{name}.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if "scores" in r and r["prediction"].strip()]
+    # (an answer the time limit cut mid-statement reads names it never got to bind)
+    rows = [r for r in rows if "scores" in r and r["prediction"].strip() and not r.get("timed_out")]
     if not rows:
         return None
     manifest = read_manifest(dump)

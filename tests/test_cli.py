@@ -699,6 +699,54 @@ def test_evaluate_backend_failures_are_recorded_and_retried(dump, tmp_path):
     assert run["n"] == 2 and run["n_errors"] == 0 and run["n_scored"] == 2
 
 
+def test_record_counts_what_ran_and_a_slow_last_snapshot_is_a_clear_error(tmp_path):
+    """Empty code cells run nothing and are not counted. A final snapshot that outlasts the
+    wait gives one line saying so (no traceback), every execution is in the store, and the
+    snapshot the kernel could not finish does not stay pending."""
+    nb = write_notebook(
+        tmp_path / "slow.ipynb",
+        [
+            "a = 1",
+            "",
+            "   \n",
+            "import time\n"
+            "class Slow:\n"
+            "    def __reduce__(self):\n"
+            "        time.sleep(30)\n"
+            "        return (Slow, ())\n"
+            "x, y, z = Slow(), Slow(), Slow()",
+        ],
+    )
+    store_path = tmp_path / "s.sqlite"
+    # Each slow variable is given 5 s (max_variable_seconds) in the last, inline snapshot: 15 s,
+    # past the wait of --timeout + 10 s.
+    r = cli("record", str(nb), "--timeout", "2", store=store_path)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "Empty" not in r.stderr, r.stderr
+    assert "2 cells recorded" in r.stderr
+    assert "stopped: writing the recording: the kernel did not answer within 12 s" in r.stderr
+    with TrajectoryStore(store_path) as store:
+        (t,) = store.list_trajectories()
+        rows = store.list_executions(t["id"])
+        assert [e["source"] for e in rows] == ["a = 1", nb_source(nb, 3)]
+        store.sweep_pending_snapshots()
+        assert "pending" not in {e["snapshot_status"] for e in store.list_executions(t["id"])}
+
+    # The same notebook given the time it needs: every snapshot written, nothing reported.
+    r = cli("record", str(nb), "--timeout", "30", store=store_path)
+    assert r.returncode == 0, r.stderr
+    assert "2 cells recorded" in r.stdout
+    with TrajectoryStore(store_path, readonly=True) as store:
+        latest = store.list_trajectories()[0]
+        statuses = [e["snapshot_status"] for e in store.list_executions(latest["id"])]
+        assert statuses == ["ok", "partial"]
+
+
+def nb_source(path: Path, index: int) -> str:
+    nb = nbformat.read(str(path), as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "code"][index]
+
+
 def test_export_notebook_cells_and_the_live_setting(recorded, dump, tmp_path):
     """The dump keeps each notebook's cells; `--setting live` gives a backend what the browser
     would send: the markdown above the target cell and the cells below it."""

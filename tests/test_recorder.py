@@ -213,6 +213,8 @@ def test_reader_in_another_process_during_writes(kernel):
                 import sys, time
                 from jupyter_themisto.store import TrajectoryStore
                 store = TrajectoryStore({str(kernel.store_path)!r}, readonly=True)
+                store.list_trajectories()
+                print("ready", flush=True)
                 seen, reads, end = [], 0, time.monotonic() + 120
                 while time.monotonic() < end:
                     (t,) = store.list_trajectories()
@@ -232,6 +234,8 @@ def test_reader_in_another_process_during_writes(kernel):
         stderr=subprocess.PIPE,
         text=True,
     )
+    # Cells only once the reader reads (its start-up may outlast 25 quick cells under load).
+    assert reader.stdout.readline() == "ready\n"
     for i in range(25):
         kernel.run(f"v{i} = {i}\nprint(v{i})")
     out, err = reader.communicate(timeout=120)
@@ -443,3 +447,48 @@ def test_executions_while_the_store_is_locked_come_back_as_lost_rows(tmp_path):
     exported = [json.loads(line) for line in (out / "executions.jsonl").read_text().splitlines()]
     assert [e["status"] for e in exported][1:4] == ["lost"] * 3
     assert "locked" in exported[1]["detail"]
+
+
+def test_large_outputs_are_written_off_the_kernel_thread(tmp_path):
+    """An execution with large outputs is prepared (decoded, hashed, compressed) and written by
+    the writer thread even when nothing waits; a small one right there, on the caller's."""
+    import threading
+
+    from jupyter_themisto.kernel.recorder import _large
+    from jupyter_themisto.kernel.writer import RecordWriter
+
+    big_png = base64.b64encode(b"\x89PNG" + os.urandom(120_000)).decode()
+    assert _large([{"output_type": "display_data", "data": {"image/png": big_png}}])
+    assert _large([{"output_type": "stream", "name": "stdout", "_parts": ["x" * 60_000] * 2}])
+    assert not _large([{"output_type": "execute_result", "data": {"text/plain": "1"}}])
+
+    errors = []
+    writer = RecordWriter(
+        lambda timeout: TrajectoryStore(tmp_path / "t.sqlite", timeout=timeout),
+        report=lambda what, e: errors.append((what, e)),
+    )
+    try:
+        writer.create_trajectory("t1", lambda: {})
+        assert writer.wait_idle(30)
+        threads = {}
+
+        def prepare(order):
+            def build(put_blob):
+                threads[order] = threading.get_ident()
+                return {"source": f"cell {order}", "status": "ok", "outputs": []}
+
+            return build
+
+        fallback = {"source": "", "status": "ok"}
+        writer.add_execution("t1", 0, prepare(0), fallback=fallback)
+        writer.add_execution("t1", 1, prepare(1), fallback=fallback, direct=False)
+        assert writer.wait_idle(30)
+        writer.add_execution("t1", 2, prepare(2), fallback=fallback)
+        assert writer.wait_idle(30)
+    finally:
+        writer.close()
+    me = threading.get_ident()
+    assert threads[0] == me and threads[1] != me and threads[2] == me
+    with TrajectoryStore(tmp_path / "t.sqlite") as store:
+        rows = store.list_executions("t1")
+    assert [r["source"] for r in rows] == ["cell 0", "cell 1", "cell 2"] and not errors

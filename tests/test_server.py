@@ -199,6 +199,9 @@ async def test_output_prediction_retrieval(jp_fetch, store):
         ({"kernel_id": "k", "with_runtime": "perhaps"}, "with_runtime"),
         ({"kernel_id": "k", "bogus": 1}, "bogus: unknown field"),
         ({"kernel_id": "k", "cells": [{"cell_type": "slide"}]}, "cells.0.cell_type"),
+        ({"kernel_id": "k", "after_execution_count": 0}, "after_execution_count:"),
+        ({"kernel_id": "k", "after_execution_count": 2**63}, "after_execution_count:"),
+        ({"kernel_id": "k", "after_execution_count": "later"}, "after_execution_count:"),
         ([1, 2], "body"),
     ],
 )

@@ -56,6 +56,7 @@ def jp_server_config(store_path, peers):
             "default_backend": "retrieval",
             "prediction_timeout": 20.0,
             "snapshot_wait": 0.2,
+            "execution_wait": 0.2,
             "backend_settings": {
                 "openai": {"base_url": o.url, "api_key": "sk-fuzz-0123456789", **quick},
                 "anthropic": {"base_url": a.base, "api_key": "fuzz-key", **quick},
@@ -72,7 +73,11 @@ def ids(store_path):
         eids = []
         for i, src in enumerate(["import pandas as pd", "df = pd.DataFrame()", "df.head()"]):
             out = [{"output_type": "stream", "name": "stdout", "text": f"{i}\n"}]
-            eids.append(store.add_execution(tid, {"source": src, "status": "ok", "outputs": out}))
+            eids.append(
+                store.add_execution(
+                    tid, {"source": src, "status": "ok", "outputs": out, "execution_count": i + 1}
+                )
+            )
         blob = store.put_blob(b"\x80\x05K\x03.")  # pickle of 3
         store.write_snapshot(
             eids[-1],
@@ -111,7 +116,9 @@ QUERY_VALUES = st.one_of(
     st.sampled_from(RAW_ESCAPES),
 )
 QUERIES = st.lists(
-    st.tuples(st.sampled_from(["offset", "limit", "notebook_path", "other"]), QUERY_VALUES),
+    st.tuples(
+        st.sampled_from(["offset", "limit", "notebook_path", "kernel_id", "other"]), QUERY_VALUES
+    ),
     min_size=1,
     max_size=3,
 )
@@ -146,6 +153,9 @@ def bodies(tid: str) -> st.SearchStrategy[bytes]:
         "with_runtime": st.one_of(st.booleans(), json_values()),
         "client_id": st.one_of(st.text(max_size=20), json_values()),
         "n": st.one_of(st.integers(min_value=-5, max_value=25), json_values()),
+        "after_execution_count": st.one_of(
+            st.integers(min_value=-5, max_value=8), st.sampled_from(SQL_EDGES), json_values()
+        ),
         "warm": st.one_of(st.booleans(), json_values()),
         "source": st.one_of(st.text(max_size=200), st.just("df.shape"), json_values()),
         "cells": st.one_of(

@@ -6,10 +6,13 @@ import os
 import pickle
 import signal
 import sqlite3
+import types
 
 import numpy as np
 import pytest
 import zstandard
+
+from jupyter_themisto.store import TrajectoryStore
 
 from .test_recorder_kernel import RecordingKernel
 
@@ -20,7 +23,14 @@ SECRET = "hunter2-" + "s3cr3t-" + "v4lue"
 def kernel(tmp_path_factory):
     store = tmp_path_factory.mktemp("snapshots") / "trajectories.sqlite"
     # Cells here come faster than a loaded machine may finish snapshots: no skipping.
-    k = RecordingKernel(store, ["--ThemistoRecorder.max_snapshot_children=16"])
+    # What the fork child does: no snapshot taken by the kernel itself (see test_small_...).
+    k = RecordingKernel(
+        store,
+        [
+            "--ThemistoRecorder.max_snapshot_children=16",
+            "--ThemistoRecorder.small_snapshot_seconds=0",
+        ],
+    )
     yield k
     k.shutdown()
 
@@ -359,6 +369,21 @@ def test_an_expensive_variable_is_not_retried_until_it_changes(tmp_path):
         ("helper()", True),
         ("get_ipython().run_line_magic('who', '')", True),
         ("def f(:", True),
+        # Library functions and classes given fresh values reach nothing of the person's.
+        ("v = array([1, 2, 3])\nnp.arange(n, 10)\ndiag(np.zeros(3) + 1)", False),
+        ("np.linalg.norm(np.ones(3)), sin(np.pi), np.float64(2.5)", False),
+        ("concatenate((arr, arr))", True),
+        ("np.random.shuffle(items)", True),
+        ("np.copyto(arr, 1)", True),
+        ("np.apply_along_axis(helper, 0, np.ones(3))", True),
+        ("arr.fill(0)", True),
+        ("exec('items.append(1)')", True),
+        ("setattr(df, 'a', 1)", True),
+        ("getattr(np, 'seterr')(all='ignore')", True),
+        ("sorted([3, 1])", False),
+        # A module's attribute may hold an object of the person's too.
+        ("np.random.shuffle(mod.data)", True),
+        ("np.sqrt(np.pi) + np.linalg.norm(mod.scale * np.ones(2))", False),
     ],
 )
 def test_which_cells_may_change_the_namespace(code, changes):
@@ -368,5 +393,270 @@ def test_which_cells_may_change_the_namespace(code, changes):
         return None
 
     helper.__module__ = "__main__"
-    ns = {"items": [1], "df": object(), "helper": helper, "len": len}
+    ns = {
+        "items": [1],
+        "df": object(),
+        "helper": helper,
+        "len": len,
+        "np": np,
+        "array": np.array,
+        "diag": np.diag,
+        "sin": np.sin,
+        "concatenate": np.concatenate,
+        "arr": np.zeros(3),
+        "n": 3,
+        "mod": types.ModuleType("mod"),
+    }
+    ns["mod"].data, ns["mod"].scale = ns["items"], 2.0  # type: ignore[attr-defined]
     assert may_change(code, ns) is changes
+
+
+_SLEEPY = (
+    "import time\n"
+    "class Sleepy:\n"
+    "    def __reduce__(self):\n"
+    "        time.sleep(60)\n"
+    "        return (Sleepy, ())\n"
+    "sleepy = Sleepy()"
+)
+
+
+def _pending_row(store_path, msg_id, timeout=60.0):
+    """The execution row of `msg_id` (read without asking the kernel anything)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn = sqlite3.connect(store_path)
+        conn.row_factory = sqlite3.Row
+        try:
+            row = conn.execute("SELECT * FROM executions WHERE msg_id = ?", (msg_id,)).fetchone()
+        except sqlite3.OperationalError:
+            row = None
+        finally:
+            conn.close()
+        if row is not None:
+            return dict(row)
+        time.sleep(0.05)
+    raise AssertionError(f"no row for {msg_id}")
+
+
+def _wait_for(predicate, timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.1)
+
+
+def _kill_kernel(k):
+    os.kill(k.km.provisioner.pid, signal.SIGKILL)
+    _wait_for(lambda: not k.km.is_alive())
+
+
+def test_a_kernel_killed_before_its_snapshot_leaves_no_pending_for_ever(tmp_path):
+    """Killed (SIGKILL) in the moment between a reply and its snapshot: the next kernel on the
+    store marks that snapshot failed, naming the kernel."""
+    store_path = tmp_path / "dead-kernel.sqlite"
+    # No snapshot for 600 s, even if the kernel took over snapshot_max_deferral to start.
+    first = RecordingKernel(
+        store_path,
+        ["--ThemistoRecorder.snapshot_delay=600", "--ThemistoRecorder.snapshot_max_deferral=600"],
+    )
+    try:
+        done = first.send("x = 41 + 1")
+        row = _pending_row(store_path, done)
+        assert row["snapshot_status"] == "pending"
+        assert row["snapshot_owner"].startswith("kernel|")
+        kernel_pid = first.km.provisioner.pid
+        assert f"|{kernel_pid}|" in row["snapshot_owner"]
+        _kill_kernel(first)
+    finally:
+        first.shutdown()
+    assert _pending_row(store_path, done)["snapshot_status"] == "pending"
+    second = RecordingKernel(store_path)  # its recorder sweeps the store as it opens it
+    try:
+        _wait_for(lambda: _pending_row(store_path, done)["snapshot_status"] == "failed")
+        with second.store() as store:
+            detail = store.get_snapshot(_pending_row(store_path, done)["id"])["detail"]
+        assert f"the kernel (pid {kernel_pid}) ended" in detail
+    finally:
+        second.shutdown()
+
+
+def test_a_kernel_dying_with_its_snapshot_child_leaves_no_pending_for_ever(tmp_path):
+    """Kernel and snapshot child both killed: the next kernel's sweep marks the snapshot
+    failed. A child that outlives its kernel is left to finish; killed later, the sweep of
+    a reader (the server's, here the store's own) marks its snapshot failed too."""
+    store_path = tmp_path / "dead-pair.sqlite"
+    args = ["--ThemistoRecorder.max_variable_seconds=120", "--ThemistoRecorder.snapshot_delay=0"]
+    first = RecordingKernel(store_path, args)
+    children = []
+    try:
+        both = first.send(_SLEEPY)
+        _wait_for(
+            lambda: (_pending_row(store_path, both)["snapshot_owner"] or "").startswith("snapshot|")
+        )
+        children.append(int(_pending_row(store_path, both)["snapshot_owner"].split("|")[3]))
+        alone = first.send("other = Sleepy()")
+        _wait_for(
+            lambda: (_pending_row(store_path, alone)["snapshot_owner"] or "").startswith(
+                "snapshot|"
+            )
+        )
+        children.append(int(_pending_row(store_path, alone)["snapshot_owner"].split("|")[3]))
+        os.kill(children[0], signal.SIGKILL)  # dies with its kernel
+        _kill_kernel(first)
+    finally:
+        first.shutdown()
+    second = RecordingKernel(store_path)
+    try:
+        _wait_for(lambda: _pending_row(store_path, both)["snapshot_status"] == "failed")
+        # The sweep has run: the child still serializing keeps its snapshot pending.
+        assert _pending_row(store_path, alone)["snapshot_status"] == "pending"
+        with second.store() as store:
+            detail = store.get_snapshot(_pending_row(store_path, both)["id"])["detail"]
+        assert f"the snapshot process (pid {children[0]}) ended" in detail
+        os.kill(children[1], signal.SIGKILL)
+        _wait_for(lambda: not os.path.exists(f"/proc/{children[1]}") or _zombie(children[1]))
+        with TrajectoryStore(store_path) as store:
+            assert store.sweep_pending_snapshots() == 1
+        assert _pending_row(store_path, alone)["snapshot_status"] == "failed"
+    finally:
+        second.shutdown()
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_path):
+    """A snapshot of small values is taken by the kernel itself (no fork); an unchanged
+    variable reuses its row, an in-place change is seen; anything that would run the person's
+    code to serialize it (a __reduce__ of theirs), or is large, goes to a child as before; a
+    file object is never flushed."""
+    marker = tmp_path / "reduced-by.txt"
+    target = tmp_path / "user-file.txt"
+    k = RecordingKernel(
+        tmp_path / "small.sqlite",
+        # A generous budget: a loaded machine must not send these to a child.
+        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=5"],
+    )
+    try:
+        kernel_pid = _recorder_value(k, ".pid")
+        k.run("import numpy as np, pandas as pd")
+        # The trajectory created and the first snapshot written (while the trajectory is being
+        # created, or a child runs, a snapshot is forked).
+        k.settle()
+        _wait_for(lambda: _recorder_value(k, ".snapshots.running()") == 0)
+        small = _recorder_value(k, ".snapshots.counts.get('small', 0)")
+        first = k.run(
+            "import numpy as np, pandas as pd\n"
+            "items = [1, 2, {'k': (3, 4.5)}]\n"
+            "arr = np.arange(6)\n"
+            "df = pd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})\n"
+            "def helper(x):\n    return x + 1\n"
+            "class Plain:\n    pass\n"
+            "p = Plain(); p.size = 3\n"
+            f"fh = open({str(target)!r}, 'w'); fh.write('abc')\n"
+            "bag = [1, fh]"
+        )
+        row = k.wait_snapshot(first.msg_id)
+        with k.store() as store:
+            assert store.get_snapshot(row["id"])["mode"] == "inline"
+        v = k.variables(first.msg_id)
+        assert v["items"]["summary"]["repr"] == "[1, 2, {'k': (3, 4.5)}]"
+        assert v["df"]["summary"]["columns"] == ["a", "b"] and v["arr"]["blob_hash"]
+        assert v["helper"]["blob_hash"] and v["p"]["blob_hash"]
+        assert "file object" in v["fh"]["stub_reason"] and "file object" in v["bag"]["stub_reason"]
+        assert target.read_text() == ""  # the person's buffer was not flushed
+
+        second = k.run("n = 7")
+        v2 = k.variables(second.msg_id)
+        assert v2["n"]["changed"] is True and v2["items"]["changed"] is False
+        assert v2["items"]["blob_hash"] == v["items"]["blob_hash"]
+        third = k.run("items.append(5)")
+        v3 = k.variables(third.msg_id)
+        assert v3["items"]["changed"] is True and v3["items"]["summary"]["repr"].endswith("5]")
+        forks = _recorder_value(k, ".snapshots.counts.get('fork', 0)")
+        assert _recorder_value(k, ".snapshots.counts['small']") == small + 3
+
+        # The person's own __reduce__ runs in a child, never in the kernel: alone (a class not
+        # in the snapshot: `_` names are not), or in a frame's attrs.
+        tagged = k.run(
+            "import os\n"
+            "class _Custom:\n"
+            "    def __reduce__(self):\n"
+            f"        open({str(marker)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+            "        return (_Custom, ())\n"
+            "tagged = pd.DataFrame({'a': [1]})\n"
+            "tagged.attrs['by'] = _Custom()"
+        )
+        assert k.variables(tagged.msg_id)["tagged"]["blob_hash"]
+        custom = k.run("c = _Custom()")
+        assert k.variables(custom.msg_id)["c"]["blob_hash"]
+        pids = set(map(int, marker.read_text().split()))
+        assert len(pids) >= 1 and kernel_pid not in pids
+        # A closure is pickled by value, with what it holds (here 16 MB).
+        closure = k.run("del c, tagged\ng = (lambda a: lambda: a)(np.zeros(2_000_000))")
+        k.wait_snapshot(closure.msg_id)
+        large = k.run("big = np.zeros(2_000_000)")
+        k.wait_snapshot(large.msg_id)
+        assert _recorder_value(k, ".snapshots.counts.get('fork', 0)") == forks + 4
+        k.run("fh.close()")
+        assert target.read_text() == "abc"
+    finally:
+        k.shutdown()
+
+
+def test_an_inline_snapshot_waits_for_another_process_writing(tmp_path):
+    """Kernels recording side by side (`jupyter themisto record`, inline snapshots): a write
+    lock held by another process while a snapshot is being written is waited for; the snapshot
+    is written, not failed with 'database is locked'."""
+    store_path = tmp_path / "shared.sqlite"
+    flag = tmp_path / "locked.flag"
+    k = RecordingKernel(
+        store_path,
+        ["--ThemistoRecorder.snapshot_mode=inline", "--ThemistoRecorder.max_variable_seconds=60"],
+    )
+    try:
+        k.run("import subprocess, sys, time, os")
+        # Another process takes the write lock for 2 s while the snapshot serializes `held`
+        # (whose pickling waits until the lock is held): the snapshot's writes come after.
+        locker = (
+            "import sqlite3, sys, time, pathlib\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('BEGIN IMMEDIATE')\n"
+            "pathlib.Path(sys.argv[2]).touch()\n"
+            "time.sleep(2)\n"
+            "c.execute('ROLLBACK')\n"
+        )
+        done = k.run(
+            "class _WaitsForTheLock:\n"
+            "    def __reduce__(self):\n"
+            "        end = time.monotonic() + 50\n"
+            f"        while not os.path.exists({str(flag)!r}) and time.monotonic() < end:\n"
+            "            time.sleep(0.01)\n"
+            "        return (int, ())\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {locker!r}, {str(store_path)!r}, "
+            f"{str(flag)!r}])\n"
+            "held = _WaitsForTheLock()"
+        )
+        row = k.wait_snapshot(done.msg_id)
+        assert flag.exists()
+        assert row["snapshot_status"] in ("ok", "partial"), row
+        assert k.variables(done.msg_id)["held"]["blob_hash"]
+        k.run("p.wait()")
+    finally:
+        k.shutdown()

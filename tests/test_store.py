@@ -96,3 +96,70 @@ def test_another_process_reads_while_one_writes(store_path):
     writer.join()
     assert writer.exitcode == 0
     assert seen[-1] == 300
+
+
+def test_pending_snapshots_of_dead_owners_are_swept_and_others_kept(store_path):
+    """A pending snapshot names the process that will resolve it; once that process is gone
+    (here: real processes, killed), a sweep marks it failed with the reason. A live owner, an
+    owner on another host and an unnamed owner (older stores) are left alone."""
+    import signal
+    import subprocess
+    import sys
+
+    from jupyter_themisto.store.processes import process_identity, process_state
+
+    store = TrajectoryStore(store_path)
+    tid = store.create_trajectory(notebook_path="n.ipynb")
+    doomed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_owner = process_identity("snapshot", doomed.pid)
+        live_owner = process_identity("kernel", living.pid)
+        assert dead_owner and live_owner and process_state(live_owner) == "alive"
+        host, boot, start = dead_owner.split("|")[1], dead_owner.split("|")[2], "1"
+        owners = {
+            0: dead_owner,
+            1: live_owner,
+            2: f"kernel|another-host|{boot}|{living.pid}|{start}",
+            3: None,
+            # The live process's pid under another start time: a reused pid, not the owner.
+            4: f"kernel|{host}|{boot}|{living.pid}|{start}",
+        }
+        ids = {}
+        for order, owner in owners.items():
+            record = {"source": f"x = {order}", "status": "ok", "snapshot_status": "pending"}
+            if owner:
+                record["snapshot_owner"] = owner
+            ids[order] = store.add_execution(tid, record, order_index=order)
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        assert process_state(dead_owner) == "gone"
+
+        assert store.sweep_pending_snapshots(tid) == 2
+        status = {o: store.get_execution(i)["snapshot_status"] for o, i in ids.items()}
+        assert status == {0: "failed", 1: "pending", 2: "pending", 3: "pending", 4: "failed"}
+        detail = store.get_snapshot(ids[0])["detail"]
+        assert f"the snapshot process (pid {doomed.pid}) ended" in detail
+        assert "the kernel" in store.get_snapshot(ids[4])["detail"]
+        assert "snapshot_owner" not in store.get_execution(ids[1])  # bookkeeping, not served
+        assert store.sweep_pending_snapshots() == 0  # nothing more to do
+
+        # A snapshot child swept by mistake (in the moment before it named itself the owner)
+        # still gets its snapshot in; no other writer replaces a snapshot already there.
+        var = {"name": "x", "type": "int"}
+        store.write_snapshot(ids[0], [var], mode="fork", replace_failed=True)
+        assert store.get_execution(ids[0])["snapshot_status"] == "ok"
+        with pytest.raises(sqlite3.IntegrityError):
+            store.write_snapshot(ids[4], [], status="ok", mode="inline")
+
+        # The living owner ends: the next sweep marks its snapshot too.
+        living.send_signal(signal.SIGKILL)
+        living.wait()
+        assert store.sweep_pending_snapshots(tid) == 1
+        assert store.get_execution(ids[1])["snapshot_status"] == "failed"
+        assert store.get_execution(ids[2])["snapshot_status"] == "pending"
+    finally:
+        for p in (doomed, living):
+            p.kill()
+            p.wait()
+        store.close()

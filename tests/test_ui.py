@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
@@ -193,6 +194,22 @@ def suggest_in_new_notebook(page: Page, lab: JupyterLab, name: str):
     return panel.locator(".jp-ThemistoPanel-status")
 
 
+def next_cell_requests(page: Page) -> list[dict]:
+    """The bodies of the next-cell requests the page sends from now on (warm-ups left out)."""
+    sent: list[dict] = []
+
+    def note(request) -> None:
+        # (ServerConnection adds a cache-busting query.)
+        path = urlsplit(request.url).path
+        if request.method == "POST" and path.endswith("/themisto/predict/next-cell"):
+            body = request.post_data_json
+            if not body.get("warm"):
+                sent.append(body)
+
+    page.on("request", note)
+    return sent
+
+
 def open_panel(page: Page) -> None:
     tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='jp-themisto-panel']")
     tab.click()
@@ -225,10 +242,14 @@ def test_ghost_text_after_three_runs_and_tab_accepts(page: Page, lab: JupyterLab
         });
       }"""
     )
+    asked = next_cell_requests(page)
     run_cell(page, HISTORY[2])
     ghost = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active .jp-GhostText")
     expect(ghost).to_be_visible()
     expect(ghost).to_have_text(HISTORY[3])
+    # The request named the execution it follows (the third of this kernel): the server
+    # answered once that was recorded.
+    assert asked and asked[-1]["after_execution_count"] == 3, asked
     timing = page.evaluate("() => window.__themistoTiming")
     latency = timing["ghostAt"] - timing["activeAt"]
     print(f"\nghost text appeared {latency:.0f} ms after the new empty cell became active")
@@ -286,6 +307,37 @@ def test_panel_lists_suggestions_and_insert_and_run(page: Page, lab: JupyterLab)
     expect(inserted.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]"), timeout=60_000)
     expect(inserted.locator(".jp-OutputArea-output")).to_have_text("2.5")
     shot(page, "2-panel-insert-and-run")
+
+
+def test_a_restarted_kernel_is_not_asked_for_its_old_executions(
+    page: Page, lab: JupyterLab
+) -> None:
+    """After a restart the kernel counts from 1 again: a suggestion asked then names no
+    execution (it is answered, not kept waiting for an execution that will never be
+    recorded), and one asked after the next run names that run."""
+    open_notebook(page, lab, "restart.ipynb")
+    for source in HISTORY[:2]:
+        run_cell(page, source)
+    asked = next_cell_requests(page)
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Kernel$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Restart Kernel\W*$")).click()
+    page.locator(".jp-Dialog .jp-Dialog-button", has_text=re.compile(r"^Restart$")).click()
+    expect(page.locator(".jp-Dialog")).to_have_count(0)
+    expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
+        1, timeout=60_000
+    )
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    meta = panel.locator(".jp-ThemistoPanel-meta").first
+    panel.get_by_role("button", name="Suggest").click()
+    expect(meta).to_have_text(re.compile(r"^Backend: retrieval · \d+ ms$"), timeout=TIMEOUT_MS)
+    assert asked and "after_execution_count" not in asked[-1], asked
+    run_cell(page, HISTORY[2])
+    panel.get_by_role("button", name="Suggest").click()
+    suggestion = panel.locator(".jp-ThemistoSuggestion-code").first
+    expect(suggestion).to_have_text(HISTORY[3], timeout=TIMEOUT_MS)
+    assert asked[-1]["after_execution_count"] == 1, asked
+    shot(page, "9-after-restart")
 
 
 def test_long_suggestion_streams_into_the_ghost_text(

@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import queue
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from jupyter_core.utils import ensure_async
 
 from ._common import CliError, notebook_cell_id, progress, store_path
 
@@ -26,7 +29,10 @@ _SET_MODE = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
     ".get_recorder().snapshot_mode = {mode!r}"
 )
-_FLUSH = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().settle()"
+_FLUSH = (
+    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
+    ".settle({timeout})"
+)
 _RUNNING = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
     ".get_recorder().snapshots.running()"
@@ -38,6 +44,7 @@ _REAP = (
 _TRAJECTORY = (
     "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().trajectory_id"
 )
+_STATUS = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().status()"
 
 
 def add_parsers(sub: Any) -> None:
@@ -119,39 +126,44 @@ def _send_cell_ids(kc: Any, current: dict[str, Any]) -> None:
     kc.execute = execute
 
 
-async def _execute_silent(client: Any, code: str, timeout: float = 60.0) -> dict[str, Any]:
-    """A silent execute (no run_cell hooks, no history); returns the reply content."""
+async def _shell_reply(client: Any, msg_id: str, timeout: float, what: str) -> dict[str, Any]:
+    """The shell reply to `msg_id`, waiting at most `timeout` seconds (CliError after)."""
     kc = client.kc
-    msg_id = kc.execute(code, silent=True, store_history=False)
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise CliError(f"the kernel did not answer within {timeout:.0f} s")
-        reply = await kc.get_shell_msg(timeout=left)
+            raise CliError(f"{what}: the kernel did not answer within {timeout:.0f} s")
+        try:
+            reply = await kc.get_shell_msg(timeout=min(left, 5.0))
+        except queue.Empty:
+            # Still working: a kernel that died is an error at once, else wait on.
+            if not await ensure_async(kc.is_alive()):
+                raise CliError(f"{what}: the kernel died") from None
+            continue
         if reply["parent_header"].get("msg_id") == msg_id:
-            return reply["content"]
+            return reply
+
+
+async def _execute_silent(
+    client: Any, code: str, timeout: float = 60.0, what: str = "loading the recorder"
+) -> dict[str, Any]:
+    """A silent execute (no run_cell hooks, no history); returns the reply content."""
+    msg_id = client.kc.execute(code, silent=True, store_history=False)
+    return (await _shell_reply(client, msg_id, timeout, what))["content"]
 
 
 async def _query(client: Any, expression: str, timeout: float = 60.0) -> Any:
     """Evaluate an expression silently (a user_expression of a silent execute)."""
     kc = client.kc
     msg_id = kc.execute("", silent=True, store_history=False, user_expressions={"v": expression})
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CliError(f"the kernel did not answer within {timeout:.0f} s")
-        reply = await kc.get_shell_msg(timeout=left)
-        if reply["parent_header"].get("msg_id") != msg_id:
-            continue
-        value = reply["content"].get("user_expressions", {}).get("v", {})
-        if value.get("status") != "ok":
-            raise CliError(
-                f"the recorder did not load in the kernel: {value.get('ename')}: "
-                f"{value.get('evalue')}"
-            )
-        return value["data"].get("text/plain")
+    reply = await _shell_reply(client, msg_id, timeout, "asking the recorder")
+    value = reply["content"].get("user_expressions", {}).get("v", {})
+    if value.get("status") != "ok":
+        raise CliError(
+            f"the recorder did not load in the kernel: {value.get('ename')}: {value.get('evalue')}"
+        )
+    return value["data"].get("text/plain")
 
 
 def record_notebook(
@@ -181,13 +193,15 @@ def record_notebook(
     env["THEMISTO_NOTEBOOK_PATH"] = str(path.resolve())
     code_cells = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     error: str | None = None
-    ran = 0
     bar = progress(len(code_cells), path.name, unit="cell")
     trajectory_id: str | None = None
+    status: dict[str, Any] = {}
     current: dict[str, Any] = {"cell_id": None}
+    # After the cells: the last snapshot (inline, as long as a cell may take) and the writer.
+    flush_timeout = timeout
 
     async def run() -> None:
-        nonlocal error, ran, trajectory_id
+        nonlocal error, trajectory_id, status
         try:
             async with client.async_setup_kernel(env=env):
                 _send_cell_ids(client.kc, current)
@@ -209,17 +223,16 @@ def record_notebook(
                     except DeadKernelError:
                         error = f"the kernel died in cell {index}"
                         return
-                    ran += 1
                     bar.update(1)
                 # The last execution is written after its reply and snapshots may still run:
-                # wait for both before the kernel goes away.
-                await _execute_silent(client, _FLUSH)
-                deadline = time.monotonic() + max(timeout, 60.0)
-                while time.monotonic() < deadline:
-                    await _execute_silent(client, _REAP)
-                    if await _query(client, _RUNNING) in ("0", None):
-                        break
-                    await asyncio.sleep(0.1)
+                # wait for both before the kernel goes away. (Should this give up, the
+                # kernel is shut down: a snapshot it had not written is then swept to
+                # 'failed' by the next recorder or server that reads the store.)
+                try:
+                    await _finish(client, flush_timeout)
+                    status = _literal(await _query(client, _STATUS))
+                except CliError as e:
+                    error = f"{error}; {e}" if error else str(e)
         except CliError:
             raise
         except NoSuchKernel as e:
@@ -231,7 +244,62 @@ def record_notebook(
         asyncio.run(run())
     finally:
         bar.close()
-    return {"trajectory_id": trajectory_id, "cells": ran, "error": error, "notebook": str(path)}
+    recorded, lost = _count_recorded(store, trajectory_id)
+    return {
+        "trajectory_id": trajectory_id,
+        "cells": recorded,
+        "lost": lost,
+        "error": error,
+        "notebook": str(path),
+        "recorder_errors": status.get("errors", 0),
+        "last_recorder_error": status.get("last_error"),
+    }
+
+
+async def _finish(client: Any, timeout: float) -> None:
+    """Until the recorder has written everything and no snapshot child runs (or timeout)."""
+    deadline = time.monotonic() + timeout
+    what = "writing the recording"
+    await _execute_silent(client, _FLUSH.format(timeout=timeout), timeout + 10, what)
+    while True:
+        await _execute_silent(client, _REAP, 60.0, what)
+        if await _query(client, _RUNNING) in ("0", None):
+            return
+        if time.monotonic() > deadline:
+            raise CliError(f"{what}: snapshot processes still running after {timeout:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+def _literal(text: Any) -> dict[str, Any]:
+    import ast
+
+    try:
+        value = ast.literal_eval(text) if isinstance(text, str) else None
+    except (ValueError, SyntaxError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _count_recorded(store: Path, trajectory_id: str | None) -> tuple[int, int]:
+    """(executions recorded, of which lost) in the store: empty cells run nothing and are not
+    counted; an execution the store could not take when it ran counts as lost."""
+    if trajectory_id is None:
+        return 0, 0
+    from ..store import TrajectoryStore
+
+    try:
+        with TrajectoryStore(store, readonly=True) as s:
+            rows = (
+                s._conn()
+                .execute(
+                    "SELECT count(*), sum(status = 'lost') FROM executions WHERE trajectory_id = ?",
+                    (trajectory_id,),
+                )
+                .fetchone()
+            )
+    except Exception:
+        return 0, 0
+    return int(rows[0] or 0), int(rows[1] or 0)
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -259,6 +327,13 @@ def cmd_record(args: argparse.Namespace) -> int:
             snapshot_mode=args.snapshot_mode,
         )
         line = f"{p}: trajectory {result['trajectory_id']}, {result['cells']} cells recorded"
+        if result["lost"]:
+            line += f" ({result['lost']} of them lost: status 'lost', the reason in 'detail')"
+        if result["recorder_errors"]:
+            line += (
+                f"; the recorder reported {result['recorder_errors']} error(s), the last: "
+                f"{result['last_recorder_error']}"
+            )
         if result["error"]:
             failed += 1
             print(f"{line}; stopped: {result['error']}", file=sys.stderr)

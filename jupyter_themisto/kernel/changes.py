@@ -10,11 +10,15 @@ Two checks, both in the kernel and both far cheaper than a snapshot:
    place unless it only reads: no assignment to an attribute or an item, no augmented
    assignment, no `del` of either, no `await`/`yield`, and every call is one known not to
    change its arguments (`print`, `len`, `display`, `df.head()`, `df.describe()`, `plt.show()`…,
-   never with `inplace=True`, never passing a function the person defined or a lambda).
+   never with `inplace=True`, never passing a function the person defined or a lambda), or
+   a function or class of a library (`np.arange(10)`, `array([1, 2])`, `pd.read_csv(path)`)
+   given only fresh values: literals, modules, numbers and strings, other library functions
+   — nothing of the person's it could change.
 
 Anything it cannot tell (a syntax error, a user-defined function called) counts as a change.
 What it misses — a property or `__repr__` that changes its object, a C extension that mutates
-an argument of a function on the list — leaves the previous snapshot standing for this
+an argument of a function on the list, a library function changing an object of the person's
+it holds on to (a figure pyplot draws on) — leaves the previous snapshot standing for this
 execution until the next snapshot.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import numbers
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -95,6 +100,10 @@ def _pure_call(call: ast.Call, user_ns: dict[str, Any]) -> bool:
         if isinstance(target, ast.Name) and _user_callable(user_ns.get(target.id)):
             return False  # a function of theirs handed to something that may call it
     func = call.func
+    if _library_callable(func, user_ns) and all(
+        _fresh(arg, user_ns) for arg in [*call.args, *(kw.value for kw in call.keywords)]
+    ):
+        return True
     if isinstance(func, ast.Name):
         if func.id not in PURE_BUILTINS:
             return False
@@ -118,3 +127,77 @@ def _user_callable(value: Any) -> bool:
     if isinstance(value, (types.FunctionType, types.MethodType, type)):
         return getattr(value, "__module__", None) in ("__main__", None)
     return False
+
+
+# Values no call can change (numbers.Number: numpy's scalars too).
+_IMMUTABLE = (type(None), numbers.Number, str, bytes, range, types.EllipsisType)
+
+
+def _library_callable(func: ast.expr, user_ns: dict[str, Any]) -> bool:
+    """A function or class of a library module (not the person's, not a builtin such as exec
+    or setattr, not IPython's shell): a name bound to one, or an attribute path from a module
+    (`np.linalg.norm`)."""
+    target = _named_value(func, user_ns)
+    if target is _MISSING or isinstance(target, types.ModuleType):
+        return False
+    if not isinstance(
+        target,
+        (types.FunctionType, types.BuiltinFunctionType, type, types.BuiltinMethodType),
+    ) and type(target).__name__ not in ("ufunc", "_ArrayFunctionDispatcher"):
+        return False
+    if isinstance(target, types.BuiltinMethodType) and not isinstance(
+        getattr(target, "__self__", None), types.ModuleType
+    ):
+        return False  # a bound method of some object (list.append of theirs, the shell's...)
+    module = getattr(target, "__module__", None) or ""
+    return module not in ("__main__", "builtins", "") and not module.startswith(
+        ("IPython", "ipykernel")
+    )
+
+
+def _named_value(expr: ast.expr, user_ns: dict[str, Any]) -> Any:
+    """What a name, or an attribute path from a module (`np.linalg.norm`), is bound to
+    (_MISSING for anything else: an attribute of an object may be a property)."""
+    if isinstance(expr, ast.Name):
+        return user_ns.get(expr.id, _MISSING)
+    path: list[str] = []
+    while isinstance(expr, ast.Attribute):
+        path.append(expr.attr)
+        expr = expr.value
+    if not path or not isinstance(expr, ast.Name):
+        return _MISSING
+    target = user_ns.get(expr.id, _MISSING)
+    for name in reversed(path):
+        if not isinstance(target, types.ModuleType):
+            return _MISSING  # a module's attribute of an attribute: an object's
+        target = getattr(target, name, _MISSING)
+    return target
+
+
+def _fresh(expr: ast.expr, user_ns: dict[str, Any]) -> bool:
+    """True if `expr` can hand a callee nothing of the person's it could change."""
+    for node in ast.walk(expr):
+        if isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+            return False
+        if isinstance(node, ast.Call) and not _pure_call(node, user_ns):
+            return False
+        if isinstance(node, ast.Attribute) and isinstance(
+            _named_value(node.value, user_ns), types.ModuleType
+        ):
+            # A module's attribute (`mod.data`): a value held there may be the person's too.
+            if not _harmless(_named_value(node, user_ns), node, user_ns):
+                return False
+        if isinstance(node, ast.Name) and not _harmless(
+            user_ns.get(node.id, _MISSING), node, user_ns
+        ):
+            return False
+    return True
+
+
+def _harmless(value: Any, node: ast.expr, user_ns: dict[str, Any]) -> bool:
+    """A value a callee cannot change (or a builtin, a comprehension's own name: _MISSING)."""
+    if value is _MISSING or isinstance(value, (types.ModuleType, *_IMMUTABLE)):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(isinstance(v, _IMMUTABLE) for v in value)
+    return not _user_callable(value) and _library_callable(node, user_ns)

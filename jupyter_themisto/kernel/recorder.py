@@ -80,6 +80,14 @@ class ThemistoRecorder(LoggingConfigurable):
     max_snapshot_seconds = Float(
         300.0, help="Seconds a snapshot child may run before it is killed (status failed)."
     ).tag(config=True)
+    small_snapshot_seconds = Float(
+        0.003,
+        help="In fork mode, a snapshot whose changed variables are small (scalars, short "
+        "strings, small containers, arrays and frames under 1 MB) is taken by the kernel "
+        "itself, while idle, if it fits in this many seconds: no child process, and the next "
+        "cell pays no copy-on-write page faults; larger ones, or one past this time, are forked "
+        "(0: always fork).",
+    ).tag(config=True)
     max_snapshot_children = Int(
         3,
         help="Concurrent snapshot children; when reached, the snapshot of that execution is "
@@ -171,6 +179,7 @@ class ThemistoRecorder(LoggingConfigurable):
         # The values known secret (plaintext in this process only; the store gets keyed hashes).
         self.secrets = KernelSecrets(self.secret_pattern)
         self._handler_patch: tuple[Any, Any, Any] | None = None
+        self.owner: str | None = None
         from .snapshot import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
@@ -191,10 +200,17 @@ class ThemistoRecorder(LoggingConfigurable):
     def register(self) -> None:
         if self._registered:
             return
+        from ..store.processes import process_identity
         from .writer import RecordWriter
 
+        # Named with each pending snapshot: a sweep tells a snapshot left pending by a kernel
+        # that died (store/processes.py).
+        self.owner = process_identity("kernel")
         self.writer = RecordWriter(
-            self._open_store, report=self._report, locked_retry_seconds=self.store_busy_seconds
+            self._open_store,
+            report=self._report,
+            locked_retry_seconds=self.store_busy_seconds,
+            on_open=self._sweep,
         )
         events = self.shell.events
         events.register("pre_execute", self.pre_execute)
@@ -289,6 +305,17 @@ class ThemistoRecorder(LoggingConfigurable):
 
         return TrajectoryStore(self.store_file, timeout=timeout)
 
+    def _sweep(self, store: Any) -> None:
+        """Once the store is open (writer thread): snapshots that kernels or snapshot children
+        which died left pending are marked failed, so that nobody waits on them."""
+        try:
+            swept = store.sweep_pending_snapshots()
+        except Exception as e:
+            self._report("sweeping stale pending snapshots failed", e)
+            return
+        if swept:
+            self.log.info("themisto: %d snapshot(s) left pending by dead processes: failed", swept)
+
     def _ensure_trajectory(self) -> str | None:
         if self.trajectory_id is not None or self.writer is None:
             return self.trajectory_id
@@ -343,9 +370,10 @@ class ThemistoRecorder(LoggingConfigurable):
             self._report("pre_execute failed", e)
 
     def pre_run_cell(self, info: Any) -> None:
-        entered = time.perf_counter()
-        # The previous execution's deferred work must finish before this cell changes anything.
+        # The previous execution's deferred work must finish before this cell changes anything
+        # (its time counts in deferred_seconds, not here).
         self.flush_pending()
+        entered = time.perf_counter()
         try:
             self._current = None
             if os.getpid() != self.pid:
@@ -471,6 +499,8 @@ class ThemistoRecorder(LoggingConfigurable):
             "memory_peak": peak,
             "snapshot_status": snapshot_status,
         }
+        if snapshot_status == "pending":
+            record["snapshot_owner"] = self.owner
         limits = {
             "max_output_bytes": self.max_output_bytes,
             "max_execution_bytes": self.max_execution_output_bytes,
@@ -502,7 +532,9 @@ class ThemistoRecorder(LoggingConfigurable):
         self.last_order = order
         # Values other kernels recorded (by keyed hash) are followed too.
         self.writer.submit(secrets.load_digests)
-        self.writer.add_execution(tid, order, prepare, fallback=record)
+        self.writer.add_execution(
+            tid, order, prepare, fallback=record, direct=not _large(raw_outputs)
+        )
         self.writer.submit(persist_secrets)
         self.snapshots.execution_done(order, current["source"], wall)
 
@@ -522,6 +554,7 @@ class ThemistoRecorder(LoggingConfigurable):
             "hooks": list(self.hook_seconds),
             "after_reply": list(self.deferred_seconds),
             "fork": list(self.snapshots.fork_seconds),
+            "small": list(self.snapshots.small_seconds),
             "writer": list(self.writer.write_seconds) if self.writer is not None else [],
         }
 
@@ -544,6 +577,27 @@ class ThemistoRecorder(LoggingConfigurable):
             if self.hook_seconds
             else None,
         }
+
+
+# Outputs past this many bytes are written by the writer thread, never on the kernel's own
+# (see kernel/writer.py): decoding, hashing and compressing ~100 kB take about a millisecond.
+_DIRECT_OUTPUT_BYTES = 100_000
+
+
+def _large(raw_outputs: list[dict[str, Any]]) -> bool:
+    """True if the captured outputs hold more than _DIRECT_OUTPUT_BYTES of text or data."""
+    total = 0
+    for out in raw_outputs:
+        data = out.get("data")
+        values = [
+            *out.get("_parts", ()),
+            out.get("text"),
+            *(data.values() if isinstance(data, dict) else ()),
+        ]
+        total += sum(len(v) for v in values if isinstance(v, (str, bytes, bytearray)))
+        if total > _DIRECT_OUTPUT_BYTES:
+            return True
+    return False
 
 
 def notebook_path() -> str | None:

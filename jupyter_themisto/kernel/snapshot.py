@@ -35,7 +35,12 @@ right after the reply when the last is older than `snapshot_max_deferral`. A sil
 (no cell hooks) takes a due snapshot before it runs. Before forking, the kernel compares the
 namespace's bindings with those of the last snapshot and parses the cells run since
 (kernel/changes.py): when nothing can have changed, the execution is `unchanged` (`same_as`
-the execution whose snapshot holds the namespace) and no child is made.
+the execution whose snapshot holds the namespace) and no child is made. When every variable
+that may have changed is small and serializing it runs none of the person's code (_small_value:
+scalars, strings, small containers of them, arrays and plain frames under 1 MB, functions,
+plain instances of their classes), the kernel takes the snapshot itself within
+`small_snapshot_seconds` (its blobs and rows handed to the writer) instead of forking; past
+that time it gives up and forks.
 
 Snapshot status: `ok` (every variable serialized, unchanged or redacted), `partial` (some are
 stubs or summaries), `unchanged`, `coalesced`, `skipped` (fork mode, `max_snapshot_children`
@@ -66,13 +71,14 @@ import pickle
 import reprlib
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 import time
 import types
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_variable
@@ -509,6 +515,15 @@ def _secret_key_in(value: Any, pattern: str | None) -> str | None:
 # -- writing a snapshot ------------------------------------------------------------------------
 
 
+def snapshot_status(records: list[dict[str, Any]]) -> str:
+    """`ok` when every variable has its value stored (or was redacted), else `partial`."""
+    complete = all(
+        r.get("blob_hash") or str(r.get("stub_reason") or "").startswith("redacted")
+        for r in records
+    )
+    return "ok" if complete else "partial"
+
+
 class SnapshotWriter:
     """Serializes one namespace into the store (used in the fork child and in inline mode)."""
 
@@ -523,8 +538,12 @@ class SnapshotWriter:
         max_repr_chars: int,
         secrets: KernelSecrets | None = None,
         recheck: bool = False,
+        put_blob: Callable[[bytes], str] | None = None,
     ) -> None:
         self.store = store
+        # Where serialized values go (the store; a snapshot the kernel takes itself collects
+        # them first and writes them with its rows).
+        self.put_blob = put_blob or store.put_blob
         self.secrets = secrets
         # Values learnt secret since the last snapshot: nothing is reused unseen.
         self.recheck = recheck
@@ -546,17 +565,15 @@ class SnapshotWriter:
         t0 = time.perf_counter()
         previous = self.previous()
         records = [self.record(name, value, previous.get(name)) for name, value in variables]
-        complete = all(
-            r.get("blob_hash") or str(r.get("stub_reason") or "").startswith("redacted")
-            for r in records
-        )
-        status = "ok" if complete else "partial"
+        status = snapshot_status(records)
         sid = self.store.write_snapshot(
             execution_id,
             records,
             status=status,
             mode=mode,
             duration=time.perf_counter() - t0,
+            # A child's snapshot wins over a sweep's 'failed' (see set_snapshot_owner).
+            replace_failed=mode == "fork",
         )
         return sid, status
 
@@ -679,7 +696,7 @@ class SnapshotWriter:
                 rec.update(size=len(data), blob_hash=prev.get("blob_hash"), changed=False)
                 if rec["blob_hash"]:
                     return rec
-        digest = self.store.put_blob(data)
+        digest = self.put_blob(data)
         rec.update(
             size=len(data),
             blob_hash=digest,
@@ -689,6 +706,136 @@ class SnapshotWriter:
 
 
 # -- scheduling: when, whether and how a snapshot is taken -------------------------------------
+
+# What the kernel may snapshot itself (small_snapshot_seconds): values whose serialization is
+# bounded by a glance at them.
+_SMALL_BYTES = 1 << 20
+_SMALL_LEN = 5000
+_SMALL_CELLS = 20_000
+
+
+def _remembered(value: Any, prev: dict[str, Any] | None, recheck: bool) -> bool:
+    """A variable that could not be serialized last time and looks the same (5b above)."""
+    return (
+        prev is not None
+        and not recheck
+        and prev.get("type") == type_name(value)
+        and str(prev.get("stub_reason") or "").startswith(_EXPENSIVE)
+        and prev.get("fingerprint") == identity_fingerprint(value)
+    )
+
+
+def _small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bool:
+    """True if `value` is cheap to fingerprint or serialize, and serializing it runs no code of
+    the person's (a `__reduce__`, `__getstate__` or `__repr__` of theirs could take any time,
+    print into a cell's output or change something): judged by its type and size alone,
+    looking at no more than _SMALL_LEN items of nested containers in all."""
+    seen = [0] if seen is None else seen
+    seen[0] += 1
+    if seen[0] > _SMALL_LEN or depth > 4:
+        return False
+    t = type(value)
+    if value is None or t in (bool, int, float, complex):
+        return True
+    if t in (str, bytes, bytearray):
+        return len(value) <= _SMALL_BYTES
+    if t in (list, tuple, set, frozenset, dict):
+        if len(value) + seen[0] > _SMALL_LEN:
+            return False
+        if t is dict:
+            return all(
+                _small_value(k, seen, depth + 1) and _small_value(v, seen, depth + 1)
+                for k, v in value.items()
+            )
+        return all(_small_value(v, seen, depth + 1) for v in value)
+    if refusal(value):
+        return True  # a stub: its type and a short repr
+    module = t.__module__ or ""
+    if module.startswith("numpy"):
+        size = estimated_size(value)
+        dtype = getattr(value, "dtype", None)
+        return size is not None and size <= _SMALL_BYTES and not getattr(dtype, "hasobject", True)
+    if depth > 0:
+        return False
+    if module.startswith("pandas"):
+        return _small_frame(value)
+    if t in (types.FunctionType, type) and (
+        "<" in value.__qualname__ or getattr(value, "__closure__", None)
+    ):
+        return False  # a lambda, a closure or a local class: pickled by value, with what it holds
+    if t is types.FunctionType:
+        return True  # pickled by reference (its module and name)
+    if t is type:
+        return _plain_class(value)
+    # An instance of a class of the person's own, holding small values, pickled and shown the
+    # plain way.
+    attrs = getattr(value, "__dict__", None)
+    return (
+        module == "__main__"
+        and _plain_class(t)
+        and isinstance(attrs, dict)
+        and all(_small_value(v, seen, depth + 1) for v in attrs.values())
+    )
+
+
+# What pandas infers a column or index to hold, when nothing in it is an object of the person's.
+_PLAIN_KINDS = frozenset(
+    """string empty integer floating mixed-integer-float complex boolean datetime64 datetime
+    date timedelta64 timedelta time""".split()
+)
+
+
+def _plain_values(values: Any, pd: Any) -> bool:
+    kind = pd.api.types.infer_dtype(values, skipna=True)
+    if kind == "categorical":
+        return _plain_values(values.dtype.categories, pd)
+    return kind in _PLAIN_KINDS
+
+
+def _plain_class(t: type) -> bool:
+    """A class whose instances pickle, show and look attributes up as `object` does."""
+    return (
+        t.__reduce_ex__ is object.__reduce_ex__
+        and t.__reduce__ is object.__reduce__
+        and getattr(t, "__getstate__", None) is getattr(object, "__getstate__", None)
+        and t.__repr__ is object.__repr__
+        and t.__getattribute__ is object.__getattribute__
+        and not any(
+            hasattr(t, name)
+            for name in ("__getattr__", "__getnewargs_ex__", "__getnewargs__", "__setstate__")
+        )
+        and type(t) is type  # no metaclass of theirs
+    )
+
+
+def _small_frame(value: Any) -> bool:
+    """A pandas Series or DataFrame of at most _SMALL_CELLS cells holding numbers, dates,
+    strings or missing values only (no objects of the person's)."""
+    try:
+        import numpy as np
+        import pandas as pd
+
+        if isinstance(value, pd.Series):
+            dtypes, column = [value.dtype], (lambda i: value)
+            labels = [value.index]
+        elif isinstance(value, pd.DataFrame):
+            dtypes, column = list(value.dtypes), (lambda i: value.iloc[:, i])
+            labels = [value.index, value.columns]
+        else:
+            return False
+        if value.size > _SMALL_CELLS or value.attrs:
+            return False  # large, or attrs holding anything (pickled with it)
+        for label in labels:
+            if not isinstance(label, pd.RangeIndex) and not _plain_values(label, pd):
+                return False
+        for i, dtype in enumerate(dtypes):
+            if isinstance(dtype, np.dtype) and dtype.kind in "biufcmM":
+                continue
+            if not _plain_values(column(i), pd):
+                return False
+        return True
+    except Exception:
+        return False
 
 
 class _Child:
@@ -727,6 +874,10 @@ class SnapshotManager:
         self.counts: dict[str, int] = {}
         #: seconds the kernel spent per fork (gc.freeze + fork + bookkeeping)
         self.fork_seconds: deque[float] = deque(maxlen=100_000)
+        #: seconds the kernel spent per snapshot it took itself (small_snapshot_seconds)
+        self.small_seconds: deque[float] = deque(maxlen=100_000)
+        # The variable records of the last snapshot taken by the kernel itself, by execution.
+        self._kept: tuple[int | None, dict[str, dict[str, Any]]] = (None, {})
         # The recorder's KernelSecrets generation the last snapshot was taken with.
         self.secrets_generation = 0
 
@@ -823,18 +974,19 @@ class SnapshotManager:
         variables = list(user_variables(r.shell))
         current = {name: id(value) for name, value in variables}
         generation = self._secrets_generation()
+        inline = r.snapshot_mode == "inline" or self.exiting or not hasattr(os, "fork")
+        small = not inline and r.small_snapshot_seconds > 0 and not self.children
+        # Names bound to the same objects as at the last snapshot, no cell run since able to
+        # change an object in place: those variables are as the last snapshot holds them.
+        same: set[str] = set()
         if (
             self.base_bindings is not None
-            and current == self.base_bindings
             and generation == self.secrets_generation
+            and (current == self.base_bindings or small)
+            and not self._may_have_changed_in_place()
         ):
-            from .changes import may_change
-
-            transform = getattr(r.shell, "transform_cell", None)
-            ns = r.shell.user_ns
-            if not any(
-                may_change(transform(src) if transform else src, ns) for src in self.sources_since
-            ):
+            same = {n for n, i in current.items() if self.base_bindings.get(n) == i}
+            if current == self.base_bindings:
                 base = self.base_order
                 self.sources_since = []
                 self._count("unchanged")
@@ -842,11 +994,10 @@ class SnapshotManager:
                     order, "unchanged", f"no variable changed since execution {base}", same_as=base
                 )
                 return
-        mode = r.snapshot_mode
-        if mode == "inline" or self.exiting or not hasattr(os, "fork"):
+        if inline:
             ok = self._inline(order, variables)
         else:
-            ok = self._fork(order)
+            ok = (small and self._small(order, variables, same, generation)) or self._fork(order)
         if ok:
             self.base_order = order
             self.base_bindings = current
@@ -867,7 +1018,103 @@ class SnapshotManager:
         if execution_id is None:
             return False  # not written (lost): nothing to attach a snapshot to
         self._count("inline")
-        self._writer(store).write(execution_id, variables, mode="inline")
+        # The person waits for an inline snapshot anyway: a write of another process (a kernel
+        # recording beside this one) is waited for, as the writer thread would, not a failure.
+        store.set_busy_timeout(writer.locked_retry_seconds)
+        try:
+            self._writer(store).write(execution_id, variables, mode="inline")
+        finally:
+            store.set_busy_timeout(0)  # this thread's writes never wait (RecordWriter._direct)
+        return True
+
+    def _may_have_changed_in_place(self) -> bool:
+        """Could a cell run since the last snapshot have changed an object in place?"""
+        from .changes import may_change
+
+        r = self.recorder
+        transform = getattr(r.shell, "transform_cell", None)
+        ns = r.shell.user_ns
+        return any(
+            may_change(transform(src) if transform else src, ns) for src in self.sources_since
+        )
+
+    def _small(
+        self, order: int, variables: list[tuple[str, Any]], same: set[str], generation: int
+    ) -> bool:
+        """Take the snapshot in the kernel when what changed since the last one is small (see
+        small_snapshot_seconds); False (nothing written) when it is not, when the store is
+        busy, or when it takes too long. `same`: the names known unchanged since then."""
+        r = self.recorder
+        budget = r.small_snapshot_seconds
+        started = time.perf_counter()
+        # Called with no child running (the earlier snapshots' rows, which an unchanged variable
+        # reuses, are written); the execution's row must be written too (the writer idle).
+        if r.writer is None:
+            return False
+        r.writer.wait_idle(budget)
+        store = r.writer._direct()
+        tid = r.trajectory_id
+        if store is None or tid is None:
+            return False
+        recheck = generation != self.secrets_generation
+        try:
+            execution_id = store.execution_id(tid, order)
+            previous: dict[str, dict[str, Any]] = {}
+            if self.base_order is not None:
+                kept_order, kept = self._kept
+                if kept_order == self.base_order:
+                    previous = kept  # taken here last time: no need to read it back
+                else:
+                    rows = store.snapshot_variables(tid, self.base_order)
+                    if rows is None:
+                        return False  # the last one was not written (failed): a full one is due
+                    previous = {v["name"]: v for v in rows}
+        except sqlite3.Error:
+            return False  # locked by another process (this connection never waits): a child
+        if execution_id is None:
+            return False
+        reuse = {n for n in same if n in previous}
+        if not all(
+            _small_value(v) or _remembered(v, previous.get(n), recheck)
+            for n, v in variables
+            if n not in reuse
+        ):
+            return False
+        from ..store import blob_hash
+
+        blobs: dict[str, bytes] = {}
+
+        def collect(data: bytes) -> str:
+            digest = blob_hash(data)
+            blobs[digest] = bytes(data)
+            return digest
+
+        writer = self._writer(store, put_blob=collect)
+        records = []
+        for name, value in variables:
+            if name in reuse:
+                records.append({**previous[name], "changed": False})
+            else:
+                records.append(writer.record(name, value, previous.get(name)))
+            if time.perf_counter() - started > budget:
+                self._count("small_over_budget")
+                return False
+        status = snapshot_status(records)
+        duration = time.perf_counter() - started
+
+        def job(store: Any) -> None:
+            # Idempotent: the writer thread runs it again if it failed here.
+            for digest, data in blobs.items():
+                store.put_blob(data, digest)
+            if store.get_snapshot(execution_id) is None:
+                store.write_snapshot(
+                    execution_id, records, status=status, mode="inline", duration=duration
+                )
+
+        r.writer.submit(job)
+        self._kept = (order, {rec["name"]: rec for rec in records})
+        self._count("small")
+        self.small_seconds.append(time.perf_counter() - started)
         return True
 
     def _fork(self, order: int) -> bool:
@@ -916,7 +1163,7 @@ class SnapshotManager:
         self.fork_seconds.append(time.perf_counter() - started)
         return True
 
-    def _writer(self, store: Any) -> SnapshotWriter:
+    def _writer(self, store: Any, put_blob: Callable[[bytes], str] | None = None) -> SnapshotWriter:
         r = self.recorder
         return SnapshotWriter(
             store,
@@ -927,6 +1174,7 @@ class SnapshotManager:
             max_repr_chars=r.max_repr_chars,
             secrets=getattr(r, "secrets", None),
             recheck=self._secrets_generation() != self.secrets_generation,
+            put_blob=put_blob,
         )
 
     def _write_status(
@@ -984,6 +1232,7 @@ class SnapshotManager:
             sys.stdout = sys.stderr = sink
             variables = list(user_variables(self.recorder.shell))
             from ..store import TrajectoryStore
+            from ..store.processes import process_identity
 
             # Its own connection; nothing of the kernel's (the writer thread's) is touched.
             store = TrajectoryStore(self.recorder.store_file, migrate=False)
@@ -992,6 +1241,9 @@ class SnapshotManager:
                 code = _CHILD_NO_ROW
             else:
                 try:
+                    # This process resolves the snapshot now: if it dies (with its kernel or
+                    # not), a sweep finds it gone and marks the snapshot failed.
+                    store.set_snapshot_owner(execution_id, process_identity("snapshot"))
                     self._writer(store).write(execution_id, variables, mode="fork")
                     code = _CHILD_OK
                 except BaseException as e:  # noqa: B036
@@ -1002,6 +1254,7 @@ class SnapshotManager:
                             status="failed",
                             mode="fork",
                             detail=f"{type(e).__name__}: {str(e)[:500]}",
+                            replace_failed=True,
                         )
                     except BaseException:  # noqa: B036
                         pass

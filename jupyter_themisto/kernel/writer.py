@@ -3,10 +3,11 @@
 The recorder hands over each finished execution (and each snapshot note it decides) just after
 the kernel's reply. When nothing is waiting before it, the write happens right there, on the
 kernel's thread, with a connection that never waits for a lock (a few tenths of a millisecond:
-outputs turned into bounded nbformat dicts, images stored as blobs, the row); a write that
-fails or would wait goes to a background thread, and so does everything after it until that
-thread has caught up. (A thread for every write would cost more: while it holds the GIL, the
-next cell's own I/O waits for it.) Both use one connection each, kept for the kernel's life
+outputs turned into bounded nbformat dicts, small images stored as blobs, the row); a write
+that fails or would wait, or an execution with large outputs (over 100 kB), goes to a
+background thread, and so does everything after it until that thread has caught up. (A
+thread for every write would cost more: while it holds the GIL, the next cell's own I/O waits
+for it.) Both use one connection each, kept for the kernel's life
 (snapshot children open their own).
 
 An execution that cannot be written — the disk is full, the file read-only or broken, the
@@ -56,8 +57,11 @@ class RecordWriter:
         locked_retry_seconds: float = 10.0,
         retry_seconds: float = 5.0,
         max_lost: int = 10_000,
+        on_open: Callable[[Any], None] | None = None,
     ) -> None:
         self._open_store = open_store
+        # Called on this thread with the store once it is opened (the recorder's sweep).
+        self._on_open = on_open
         self._report = report
         self.locked_retry_seconds = locked_retry_seconds
         self.retry_seconds = retry_seconds
@@ -130,10 +134,13 @@ class RecordWriter:
         prepare: Callable[[Callable[[bytes], str]], dict[str, Any]],
         *,
         fallback: dict[str, Any],
+        direct: bool = True,
     ) -> None:
         """Write an execution; `prepare(put_blob)` builds its record (outputs, blobs).
-        `fallback` is what a `lost` row keeps if the write fails."""
-        store = self._direct()
+        `fallback` is what a `lost` row keeps if the write fails. `direct=False`: on the
+        thread even if nothing waits (large outputs: decoding, hashing and compressing them
+        would hold up a cell queued behind; the thread does most of it without the GIL)."""
+        store = self._direct() if direct else None
         if store is not None:
             started = time.perf_counter()
             try:
@@ -198,6 +205,12 @@ class RecordWriter:
             except BaseException as e:  # noqa: B036
                 self.last_error = f"cannot open the trajectory store: {_describe(e)}"
                 return None
+            on_open, self._on_open = self._on_open, None
+            if on_open is not None:
+                try:
+                    self._locked(partial(on_open, self.store))
+                except BaseException as e:  # noqa: B036
+                    self._report("a recorder write failed", e)
         for tid, make_fields in list(self._trajectories.items()):
             try:
                 fields = make_fields()

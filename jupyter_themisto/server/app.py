@@ -70,6 +70,12 @@ class ThemistoExtensionApp(ExtensionApp):
         help="Seconds an output prediction waits for the latest execution's namespace "
         "snapshot (written just after the cell) so that it sees the current variables.",
     ).tag(config=True)
+    execution_wait = Float(
+        5.0,
+        help="Seconds a prediction request that names the execution it follows "
+        "(`after_execution_count`) waits for that execution to be recorded; past it the "
+        "request is answered 404 saying which execution is missing.",
+    ).tag(config=True)
     auto_record = Bool(
         True,
         help="Record in every Python kernel this server starts, from its first request: "
@@ -89,10 +95,10 @@ class ThemistoExtensionApp(ExtensionApp):
             raise ValueError(f"{proposal['trait'].name} must be > 0")
         return proposal["value"]
 
-    @validate("snapshot_wait")
+    @validate("snapshot_wait", "execution_wait")
     def _not_negative(self, proposal: Any) -> float:
         if proposal["value"] < 0:
-            raise ValueError("snapshot_wait must be >= 0")
+            raise ValueError(f"{proposal['trait'].name} must be >= 0")
         return proposal["value"]
 
     @validate("token_budget", "max_output_chars", "max_page_size")
@@ -120,6 +126,7 @@ class ThemistoExtensionApp(ExtensionApp):
             max_output_chars=self.max_output_chars,
             max_page=self.max_page_size,
             snapshot_wait=self.snapshot_wait,
+            execution_wait=self.execution_wait,
         )
         self.auto_recorder = AutoRecorder(
             self.serverapp, log=self.log, ready_timeout=self.auto_record_timeout, store=self.store

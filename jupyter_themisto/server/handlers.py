@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote
 
@@ -34,6 +36,27 @@ def parse_int(name: str, raw: str, *, minimum: int = 0) -> int:
     return value
 
 
+@contextmanager
+def not_found_as_404() -> Iterator[None]:
+    """The manager's NotFound (an id naming nothing, an execution not recorded in time) as 404;
+    an unknown backend too."""
+    try:
+        yield
+    except (NotFound, UnknownBackend) as e:
+        raise web.HTTPError(404, str(e)) from None
+
+
+@contextmanager
+def http_errors() -> Iterator[None]:
+    """What may fail before a prediction's first byte, as a plain HTTP error: 404 for what is
+    not there, the backend's own status (502/503/504) for its failures."""
+    with not_found_as_404():
+        try:
+            yield
+        except BackendError as e:
+            raise web.HTTPError(e.status, str(e)) from None
+
+
 class ThemistoHandler(APIHandler):
     auth_resource = AUTH_RESOURCE
 
@@ -56,10 +79,11 @@ class TrajectoriesHandler(ThemistoHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        rows = self.manager.list_trajectories(
+        rows = await self.manager.list_trajectories(
             self.get_query_argument("notebook_path", None),
             self.int_argument("limit", None),
             self.int_argument("offset", 0) or 0,
+            kernel_id=self.get_query_argument("kernel_id", None),
         )
         self.write_json({"trajectories": rows})
 
@@ -68,22 +92,17 @@ class TrajectoryHandler(ThemistoHandler):
     @web.authenticated
     @authorized
     async def get(self, trajectory_id: str) -> None:
-        try:
-            self.write_json(self.manager.get_trajectory(trajectory_id))
-        except NotFound as e:
-            raise web.HTTPError(404, str(e)) from None
+        with not_found_as_404():
+            self.write_json(await self.manager.get_trajectory(trajectory_id))
 
 
 class ExecutionsHandler(ThemistoHandler):
     @web.authenticated
     @authorized
     async def get(self, trajectory_id: str) -> None:
-        try:
-            rows, total = self.manager.list_executions(
-                trajectory_id, self.int_argument("offset", 0) or 0, self.int_argument("limit", None)
-            )
-        except NotFound as e:
-            raise web.HTTPError(404, str(e)) from None
+        offset, limit = self.int_argument("offset", 0) or 0, self.int_argument("limit", None)
+        with not_found_as_404():
+            rows, total = await self.manager.list_executions(trajectory_id, offset, limit)
         self.write_json({"executions": rows, "total": total})
 
 
@@ -92,10 +111,8 @@ class VariablesHandler(ThemistoHandler):
     @authorized
     async def get(self, execution_id: str) -> None:
         eid = parse_int("execution id", execution_id)
-        try:
-            self.write_json({"variables": self.manager.variables(eid)})
-        except NotFound as e:
-            raise web.HTTPError(404, str(e)) from None
+        with not_found_as_404():
+            self.write_json({"variables": await self.manager.variables(eid)})
 
 
 class VariableBlobHandler(ThemistoHandler):
@@ -105,10 +122,8 @@ class VariableBlobHandler(ThemistoHandler):
     @authorized
     async def get(self, execution_id: str, name: str) -> None:
         eid = parse_int("execution id", execution_id)
-        try:
-            data, codec = self.manager.variable_blob(eid, name)
-        except NotFound as e:
-            raise web.HTTPError(404, str(e)) from None
+        with not_found_as_404():
+            data, codec = await self.manager.variable_blob(eid, name)
         self.set_header("X-Themisto-Codec", quote(codec))
         # Any name a kernel allows (non-ASCII, quotes) as an RFC 6266 header value.
         self.set_header(
@@ -154,12 +169,8 @@ class PredictHandler(ThemistoHandler):
     async def post(self) -> None:
         req = self.parse()
         if isinstance(req, NextCellRequest) and req.warm:
-            try:
+            with http_errors():
                 await self.manager.warm(req)
-            except (NotFound, UnknownBackend) as e:
-                raise web.HTTPError(404, str(e)) from None
-            except BackendError as e:
-                raise web.HTTPError(e.status, str(e)) from None
             self.set_status(204)
             self.finish()
             return
@@ -189,12 +200,8 @@ class PredictHandler(ThemistoHandler):
         manager = self.manager
         key = manager.register(req, self.task)
         try:
-            try:
+            with http_errors():
                 meta, events = await manager.open_stream(req, self.task)
-            except (NotFound, UnknownBackend) as e:
-                raise web.HTTPError(404, str(e)) from None
-            except BackendError as e:
-                raise web.HTTPError(e.status, str(e)) from None
             self._streaming = True
             self.set_header("Content-Type", "text/event-stream; charset=utf-8")
             self.set_header("Cache-Control", "no-cache")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..backends import (
     BackendEnv,
@@ -34,9 +36,20 @@ from ..redaction import StoreRedactor, redact_variable
 from ..store import TrajectoryStore
 from .models import NextCellRequest, OutputRequest
 
+T = TypeVar("T")
+
+#: threads that run the store's (blocking SQLite) calls; each keeps its own connection
+STORE_THREADS = 4
+#: how often a request waiting for an execution to be recorded looks at the store again
+EXECUTION_POLL = 0.02
+
 
 class NotFound(LookupError):
     """An id in the request names nothing: served as 404."""
+
+
+class NotRecorded(NotFound):
+    """The execution a request follows was not recorded within `execution_wait`: 404."""
 
 
 @dataclass
@@ -63,6 +76,7 @@ class ThemistoManager:
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
         max_page: int = 1000,
         snapshot_wait: float = 2.0,
+        execution_wait: float = 5.0,
     ) -> None:
         self.store = store
         self.default_backend = default_backend
@@ -74,6 +88,10 @@ class ThemistoManager:
         self.max_output_chars = max_output_chars
         self.max_page = max_page
         self.snapshot_wait = snapshot_wait
+        self.execution_wait = execution_wait
+        # SQLite calls block: they run here, off the event loop, so that a slow or locked store
+        # delays the request that reads it and never the rest of the server.
+        self._store_threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="themisto-store")
         self._backends: dict[str, Predictor] = {}
         # The secrets policy for everything that leaves the store (answers and contexts).
         self.redactor = StoreRedactor(store)
@@ -82,30 +100,59 @@ class ThemistoManager:
         self.cancelled = 0
         self.superseded = 0
 
-    # -- store queries -----------------------------------------------------------------------
+    # -- store queries (each runs in the store threads: see `in_store_thread`) ---------------
 
-    def list_trajectories(
-        self, notebook_path: str | None, limit: int | None, offset: int
+    async def in_store_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` in one of the manager's store threads (jupyter_server's habit
+        for blocking calls): the event loop goes on serving while SQLite works or waits."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._store_threads, functools.partial(fn, *args, **kwargs)
+        )
+
+    async def list_trajectories(
+        self,
+        notebook_path: str | None,
+        limit: int | None,
+        offset: int,
+        kernel_id: str | None = None,
     ) -> list[dict[str, Any]]:
         limit = self.max_page if limit is None else min(limit, self.max_page)
-        return self.store.list_trajectories(notebook_path=notebook_path, limit=limit, offset=offset)
+        return await self.in_store_thread(
+            self.store.list_trajectories,
+            notebook_path=notebook_path,
+            kernel_id=kernel_id,
+            limit=limit,
+            offset=offset,
+        )
 
-    def get_trajectory(self, trajectory_id: str) -> dict[str, Any]:
+    async def get_trajectory(self, trajectory_id: str) -> dict[str, Any]:
+        return await self.in_store_thread(self._trajectory, trajectory_id)
+
+    def _trajectory(self, trajectory_id: str) -> dict[str, Any]:
         t = self.store.get_trajectory(trajectory_id)
         if t is None:
             raise NotFound(f"no trajectory {trajectory_id!r}")
         return t
 
-    def list_executions(
+    async def list_executions(
         self, trajectory_id: str, offset: int, limit: int | None
     ) -> tuple[list[dict[str, Any]], int]:
-        t = self.get_trajectory(trajectory_id)
         limit = self.max_page if limit is None else min(limit, self.max_page)
+        return await self.in_store_thread(self._executions, trajectory_id, offset, limit)
+
+    def _executions(
+        self, trajectory_id: str, offset: int, limit: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        t = self._trajectory(trajectory_id)
         rows = self.store.list_executions(t["id"], offset=offset, limit=limit)
         self.redactor.refresh()
         return [self.redactor.scrub_execution(r) for r in rows], t["n_executions"]
 
-    def variables(self, execution_id: int) -> list[dict[str, Any]]:
+    async def variables(self, execution_id: int) -> list[dict[str, Any]]:
+        return await self.in_store_thread(self._variables, execution_id)
+
+    def _variables(self, execution_id: int) -> list[dict[str, Any]]:
         if self.store.get_execution(execution_id) is None:
             raise NotFound(f"no execution {execution_id}")
         out = []
@@ -125,11 +172,14 @@ class ThemistoManager:
             )
         return out
 
-    def variable_blob(self, execution_id: int, name: str) -> tuple[bytes, str]:
+    async def variable_blob(self, execution_id: int, name: str) -> tuple[bytes, str]:
         """A variable's serialized value (pickle/dill bytes) and its codec, on explicit request.
 
         Secret-named variables have none, whatever an older store may hold.
         """
+        return await self.in_store_thread(self._variable_blob, execution_id, name)
+
+    def _variable_blob(self, execution_id: int, name: str) -> tuple[bytes, str]:
         if self.store.get_execution(execution_id) is None:
             raise NotFound(f"no execution {execution_id}")
         for v in self.store.get_variables(execution_id):
@@ -210,14 +260,16 @@ class ThemistoManager:
             except Exception as e:
                 self.log.warning("themisto: closing backend %s failed: %s", b.name, e)
         self._backends.clear()
+        # A call still in SQLite finishes on its own; nothing new starts.
+        self._store_threads.shutdown(wait=False, cancel_futures=True)
 
     # -- prediction --------------------------------------------------------------------------
 
     def resolve(self, req: NextCellRequest | OutputRequest) -> dict[str, Any]:
         """The trajectory a request is about: trajectory_id, else the kernel's latest one,
-        else the notebook's latest one."""
+        else the notebook's latest one. (Blocking: called in a store thread.)"""
         if req.trajectory_id:
-            return self.get_trajectory(req.trajectory_id)
+            return self._trajectory(req.trajectory_id)
         if req.kernel_id:
             t = self.store.latest_trajectory_for_kernel(req.kernel_id)
             if t is None:
@@ -230,6 +282,53 @@ class ThemistoManager:
         if not found:
             raise NotFound(f"no trajectory recorded for notebook {req.notebook_path!r}")
         return found[0]
+
+    def _resolve_after(
+        self, req: NextCellRequest | OutputRequest
+    ) -> tuple[dict[str, Any], int | None]:
+        """`resolve`, and the newest execution count recorded in it if the request waits for
+        one; the trajectory read again once that count is there (so its length includes it)."""
+        trajectory = self.resolve(req)
+        wanted = req.after_execution_count
+        if wanted is None:
+            return trajectory, None
+        last = self.store.last_execution_count(trajectory["id"])
+        if last is not None and last >= wanted:
+            trajectory = self.store.get_trajectory(trajectory["id"]) or trajectory
+        return trajectory, last
+
+    async def trajectory_for(
+        self, req: NextCellRequest | OutputRequest, task: Task
+    ) -> dict[str, Any] | None:
+        """The request's trajectory (see `resolve`) once it holds the execution the request
+        follows (`after_execution_count`: the recorder writes it as the cell ends, at times a
+        moment after the browser hears the kernel's reply), waiting up to `execution_wait`
+        seconds for it; then NotRecorded. None when nothing is recorded (the kernel does not
+        record) but the cells the browser sent still say what comes next (next cell only)."""
+        deadline = time.monotonic() + self.execution_wait
+        while True:
+            try:
+                trajectory, last = await self.in_store_thread(self._resolve_after, req)
+            except NotFound:
+                if task != "next-cell" or not _sent_code(req):
+                    raise
+                return None
+            wanted = req.after_execution_count
+            if wanted is None or (last is not None and last >= wanted):
+                return trajectory
+            if time.monotonic() >= deadline:
+                of = (
+                    f"kernel {req.kernel_id!r}"
+                    if req.kernel_id
+                    else f"trajectory {trajectory['id']!r}"
+                )
+                latest = "nothing" if last is None else f"execution {last}"
+                raise NotRecorded(
+                    f"execution {wanted} of {of} was not recorded within {self.execution_wait:g} s"
+                    f" (the latest recorded is {latest}; ThemistoExtensionApp.execution_wait):"
+                    " is recording paused (%themisto on resumes it)?"
+                )
+            await asyncio.sleep(EXECUTION_POLL)
 
     def browser_context(self, req: NextCellRequest | OutputRequest) -> PredictionContext:
         """A context from the cells the browser sent, for a notebook nothing is recorded of yet
@@ -306,11 +405,36 @@ class ThemistoManager:
         cell) up to `snapshot_wait` seconds, so that a prediction sees the current state."""
         n = trajectory.get("n_executions") or 0
         deadline = time.monotonic() + self.snapshot_wait
+        swept = False
         while n and time.monotonic() < deadline:
-            last = self.store.list_executions(trajectory["id"], offset=n - 1, limit=1)
+            last = await self.in_store_thread(
+                self.store.list_executions, trajectory["id"], offset=n - 1, limit=1
+            )
             if not last or last[0].get("snapshot_status") != "pending":
                 return
+            if not swept:
+                # Left pending by a kernel or snapshot process that died, it would stay so:
+                # marked failed instead of waited for (store/processes.py).
+                swept = True
+                try:
+                    if self.store.sweep_pending_snapshots(trajectory["id"]):
+                        continue
+                except Exception as e:
+                    self.log.warning("themisto: sweeping pending snapshots failed: %s", e)
             await asyncio.sleep(0.05)
+
+    def _prediction_context(
+        self,
+        req: NextCellRequest | OutputRequest,
+        trajectory: dict[str, Any] | None,
+        scrub: bool,
+    ) -> PredictionContext:
+        """The context of a request (its trajectory's, else the browser's cells), scrubbed
+        unless the backend may see secrets. (Blocking: called in a store thread.)"""
+        ctx = self.browser_context(req) if trajectory is None else self.context(req, trajectory)
+        # The one door to every backend: nothing secret passes it (values, literals, keys),
+        # except into the person's own kernel (the preview runs the cell as it really reads).
+        return self.redactor.scrub_context(ctx) if scrub else ctx
 
     def _supersede_key(self, req: NextCellRequest | OutputRequest, task: Task) -> tuple[str, ...]:
         target = req.kernel_id or req.notebook_path or req.trajectory_id or ""
@@ -342,9 +466,24 @@ class ThemistoManager:
         warm = getattr(backend, "warm", None)
         if not callable(warm):
             return
-        ctx = self._context_for(req, "next-cell")
-        if ctx is None:
-            return
+        try:
+            trajectory = await self.trajectory_for(req, "next-cell")
+        except NotRecorded:
+            raise
+        except NotFound:
+            return  # nothing to prepare from
+        ctx = await self.in_store_thread(self._warm_context, req, trajectory)
+        try:
+            await asyncio.wait_for(warm(ctx), self.prediction_timeout)
+        except asyncio.TimeoutError:
+            self.log.info(
+                "themisto: warming %s took longer than %g s", name, self.prediction_timeout
+            )
+
+    def _warm_context(
+        self, req: NextCellRequest, trajectory: dict[str, Any] | None
+    ) -> PredictionContext:
+        ctx = self._prediction_context(req, trajectory, scrub=False)
         # Asked as a cell starts running: it is not recorded yet, but its source is known (the
         # last code cell the browser sent), and it is what the next prompt goes on from.
         sent = [c.source for c in req.cells or [] if c.cell_type == "code" and c.source.strip()]
@@ -354,29 +493,9 @@ class ThemistoManager:
             # prediction's will.
             last = max((c.order_index for c in ctx.cells if c.order_index is not None), default=-1)
             ctx.cells.append(ContextCell(source=sent[-1], order_index=last + 1))
-        try:
-            # Scrubbed as at the door of open_stream: the backend's cache then holds the very
-            # prompt the prediction will send, and never a secret.
-            await asyncio.wait_for(warm(self.redactor.scrub_context(ctx)), self.prediction_timeout)
-        except asyncio.TimeoutError:
-            self.log.info(
-                "themisto: warming %s took longer than %g s", name, self.prediction_timeout
-            )
-
-    def _context_for(
-        self, req: NextCellRequest | OutputRequest, task: Task
-    ) -> PredictionContext | None:
-        """The context of a request: its trajectory's, else (next cell) the browser's cells;
-        None when neither exists."""
-        try:
-            trajectory = self.resolve(req)
-        except NotFound:
-            if task != "next-cell" or not any(
-                c.cell_type == "code" and c.source.strip() for c in req.cells or []
-            ):
-                return None
-            return self.browser_context(req)
-        return self.context(req, trajectory)
+        # Scrubbed as at the door of open_stream: the backend's cache then holds the very
+        # prompt the prediction will send, and never a secret.
+        return self.redactor.scrub_context(ctx)
 
     async def open_stream(
         self, req: NextCellRequest | OutputRequest, task: Task
@@ -386,29 +505,16 @@ class ThemistoManager:
         Raises NotFound, UnknownBackend, BackendError (incl. BackendTimeout/Unavailable) when
         the failure comes before the first chunk, so that it can be a plain HTTP error.
         """
-        trajectory: dict[str, Any] | None = None
-        try:
-            trajectory = self.resolve(req)
-        except NotFound:
-            # Nothing recorded (yet): the cells the browser sent still say what comes next.
-            if task != "next-cell" or not any(
-                c.cell_type == "code" and c.source.strip() for c in req.cells or []
-            ):
-                raise
+        trajectory = await self.trajectory_for(req, task)
         name = req.backend or self.default_backend
         backend = self.backend(name)
         if task not in backend.tasks:
             raise NotFound(f"the {name} backend does not serve {task} predictions")
-        if trajectory is None:
-            ctx = self.browser_context(req)
-        else:
-            if req.with_runtime and task == "output":
-                await self.wait_for_snapshot(trajectory)
-            ctx = self.context(req, trajectory)
-        # The one door to every backend: nothing secret passes it (values, literals, keys),
-        # except into the person's own kernel (the preview runs the cell as it really reads).
-        if not backend.sees_secrets:
-            ctx = self.redactor.scrub_context(ctx)
+        if trajectory is not None and req.with_runtime and task == "output":
+            await self.wait_for_snapshot(trajectory)
+        ctx = await self.in_store_thread(
+            self._prediction_context, req, trajectory, not backend.sees_secrets
+        )
         started = time.perf_counter()
         deadline = started + self.prediction_timeout
         agen: Any  # an async generator of NextCellChunk or OutputChunk
@@ -510,4 +616,16 @@ class ThemistoManager:
             await agen.aclose()
 
 
-__all__ = ["BackendError", "Event", "NotFound", "ThemistoManager", "UnknownBackend"]
+def _sent_code(req: NextCellRequest | OutputRequest) -> bool:
+    """Whether the browser sent any code cell with text (a context even with nothing recorded)."""
+    return any(c.cell_type == "code" and c.source.strip() for c in req.cells or [])
+
+
+__all__ = [
+    "BackendError",
+    "Event",
+    "NotFound",
+    "NotRecorded",
+    "ThemistoManager",
+    "UnknownBackend",
+]

@@ -52,6 +52,9 @@ class PredictionRequest(BaseModel):
     trajectory_id: Text | None = Field(None, min_length=1, max_length=200)
     notebook_path: Text | None = Field(None, max_length=4096)
     backend: Text | None = Field(None, min_length=1, max_length=100)
+    #: the kernel's execution count of the cell the prediction follows (the one just run): the
+    #: server waits until that execution is recorded (ThemistoExtensionApp.execution_wait)
+    after_execution_count: int | None = Field(None, ge=1, le=2**63 - 1)
     with_runtime: bool = True
     client_id: Text | None = Field(None, max_length=200)
     cells: list[NotebookCell] | None = Field(None, max_length=10000)

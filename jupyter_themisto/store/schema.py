@@ -88,6 +88,14 @@ MIGRATIONS: list[str] = [
         created_at  REAL NOT NULL
     );
     """,
+    # 3 -> 4: while a snapshot is pending, the process that will resolve it (the kernel, then
+    # its snapshot child: store/processes.py), so that one left pending by a process that died
+    # can be told apart and marked failed.
+    """
+    ALTER TABLE executions ADD COLUMN snapshot_owner TEXT;
+    CREATE INDEX executions_pending ON executions (trajectory_id)
+        WHERE snapshot_status = 'pending';
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

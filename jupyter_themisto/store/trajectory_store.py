@@ -16,6 +16,7 @@ from typing import Any
 
 import zstandard
 
+from . import processes
 from .schema import migrate as migrate_schema
 
 STORE_ENV = "THEMISTO_STORE"
@@ -38,6 +39,7 @@ _EXECUTION_FIELDS = (
     "memory_after",
     "memory_peak",
     "snapshot_status",
+    "snapshot_owner",
     "detail",
 )
 EXECUTION_STATUSES = ("ok", "error", "interrupted", "lost")
@@ -215,15 +217,22 @@ class TrajectoryStore:
         self,
         *,
         notebook_path: str | None = None,
+        kernel_id: str | None = None,
         limit: int | None = None,
         offset: int = 0,
     ) -> list[dict[str, Any]]:
-        """Trajectories, newest first; optionally only those of one notebook."""
+        """Trajectories, newest first; optionally only those of one notebook and/or kernel."""
         sql = _TRAJECTORY_SELECT
+        where: list[str] = []
         args: list[Any] = []
         if notebook_path is not None:
-            sql += " WHERE t.notebook_path = ?"
+            where.append("t.notebook_path = ?")
             args.append(notebook_path)
+        if kernel_id is not None:
+            where.append("t.kernel_id = ?")
+            args.append(kernel_id)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY t.started_at DESC, t.rowid DESC LIMIT ? OFFSET ?"
         args += [-1 if limit is None else limit, offset]
         return [_trajectory_dict(r) for r in self._conn().execute(sql, args)]
@@ -313,6 +322,19 @@ class TrajectoryStore:
         )
         return [_execution_dict(r) for r in rows]
 
+    def last_execution_count(self, trajectory_id: str) -> int | None:
+        """The execution count of a trajectory's newest execution that has one (None: none)."""
+        row = (
+            self._conn()
+            .execute(
+                "SELECT execution_count FROM executions WHERE trajectory_id = ?"
+                " AND execution_count IS NOT NULL ORDER BY order_index DESC LIMIT 1",
+                (trajectory_id,),
+            )
+            .fetchone()
+        )
+        return int(row[0]) if row else None
+
     def count_executions(self, trajectory_id: str | None = None) -> int:
         if trajectory_id is None:
             return self._conn().execute("SELECT count(*) FROM executions").fetchone()[0]
@@ -340,6 +362,67 @@ class TrajectoryStore:
                 (status, trajectory_id, *orders),
             )
             return int(cur.rowcount)
+
+    def set_snapshot_owner(self, execution_id: int, owner: str | None) -> None:
+        """Name the process that will resolve the execution's snapshot (while it is pending)."""
+        with self._write() as conn:
+            conn.execute(
+                "UPDATE executions SET snapshot_owner = ? WHERE id = ?"
+                " AND snapshot_status = 'pending'",
+                (owner, execution_id),
+            )
+
+    def sweep_pending_snapshots(self, trajectory_id: str | None = None) -> int:
+        """Mark `failed`, with the reason, every pending snapshot (of one trajectory, or all)
+        whose owner process is gone: it died (killed, out of memory, with its kernel) before it
+        wrote it, and nobody else will. Owners on other hosts, or unnamed (stores written
+        before schema 4), are left alone. Returns how many were marked."""
+        sql = "SELECT id, snapshot_owner FROM executions WHERE snapshot_status = 'pending'"
+        args: tuple[Any, ...] = ()
+        if trajectory_id is not None:
+            sql += " AND trajectory_id = ?"
+            args = (trajectory_id,)
+        rows = self._conn().execute(sql, args).fetchall()
+        states: dict[str, str] = {}
+        stale: list[tuple[int, str]] = []
+        for execution_id, owner in rows:
+            if not owner:
+                continue
+            if owner not in states:
+                states[owner] = processes.process_state(owner)
+            if states[owner] == processes.GONE:
+                stale.append((execution_id, owner))
+        if not stale:
+            return 0
+        marked = 0
+        now = time.time()
+        with self._write() as conn:
+            for execution_id, owner in stale:
+                # Still pending and owned by the same process (it may have been resolved since).
+                still = conn.execute(
+                    "SELECT 1 FROM executions WHERE id = ? AND snapshot_status = 'pending'"
+                    " AND snapshot_owner = ?",
+                    (execution_id, owner),
+                ).fetchone()
+                if still is None:
+                    continue
+                detail = (
+                    f"{processes.describe(owner)} ended before the snapshot was written "
+                    "(killed, out of memory, or gone with its kernel)"
+                )
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO snapshots (execution_id, status, mode, created_at,"
+                    " detail) VALUES (?, 'failed', NULL, ?, ?)",
+                    (execution_id, now, detail),
+                )
+                sid = cur.lastrowid if cur.rowcount else None
+                conn.execute(
+                    "UPDATE executions SET snapshot_status = 'failed',"
+                    " snapshot_id = coalesce(?, snapshot_id) WHERE id = ?",
+                    (sid, execution_id),
+                )
+                marked += 1
+        return marked
 
     def set_snapshot_status(self, execution_id: int, status: str) -> None:
         with self._write() as conn:
@@ -400,6 +483,7 @@ class TrajectoryStore:
         duration: float | None = None,
         detail: str | None = None,
         same_as: int | None = None,
+        replace_failed: bool = False,
     ) -> int:
         """Record a namespace snapshot for an execution; returns the snapshot id.
 
@@ -407,11 +491,19 @@ class TrajectoryStore:
         `blob_hash` (a blob already stored with put_blob), `fingerprint`, `stub_reason`,
         `changed`. The execution's snapshot_id and snapshot_status are set in the same
         transaction. An `unchanged` snapshot has no variables of its own: `same_as` is the
-        execution whose snapshot holds the same namespace.
+        execution whose snapshot holds the same namespace. `replace_failed` (the snapshot
+        child's own write) replaces a `failed` note without variables, as a sweep may have
+        written it in the moment between a fork and the child naming itself the owner.
         """
         if status not in SNAPSHOT_STATUSES:
             raise ValueError(f"snapshot status must be one of {SNAPSHOT_STATUSES}")
         with self._write() as conn:
+            if replace_failed:
+                conn.execute(
+                    "DELETE FROM snapshots WHERE execution_id = ? AND status = 'failed' AND NOT"
+                    " EXISTS (SELECT 1 FROM variables v WHERE v.snapshot_id = snapshots.id)",
+                    (execution_id,),
+                )
             cur = conn.execute(
                 "INSERT INTO snapshots (execution_id, status, mode, created_at, duration, detail,"
                 " same_as) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -437,7 +529,8 @@ class TrajectoryStore:
                 ],
             )
             conn.execute(
-                "UPDATE executions SET snapshot_id = ?, snapshot_status = ? WHERE id = ?",
+                "UPDATE executions SET snapshot_id = ?, snapshot_status = ?,"
+                " snapshot_owner = NULL WHERE id = ?",
                 (sid, status, execution_id),
             )
         return sid
@@ -480,6 +573,25 @@ class TrajectoryStore:
             for v in found:
                 v["changed"] = False
         return found
+
+    def snapshot_variables(
+        self, trajectory_id: str, order_index: int
+    ) -> list[dict[str, Any]] | None:
+        """The variables of the snapshot holding the namespace of the trajectory's execution
+        at `order_index` (through `same_as`); None unless that snapshot is written and holds
+        variables (`ok` or `partial`)."""
+        execution_id = self.execution_id(trajectory_id, order_index)
+        if execution_id is None:
+            return None
+        holder = self._holder(execution_id)
+        row = (
+            self._conn()
+            .execute("SELECT status FROM snapshots WHERE execution_id = ?", (holder,))
+            .fetchone()
+        )
+        if row is None or row["status"] not in ("ok", "partial"):
+            return None
+        return self.get_variables(holder)
 
     def latest_variables(self, trajectory_id: str) -> list[dict[str, Any]]:
         """The variables of the trajectory's most recent snapshot that was written (one that
@@ -624,6 +736,7 @@ def _trajectory_dict(row: sqlite3.Row) -> dict[str, Any]:
 def _execution_dict(row: sqlite3.Row) -> dict[str, Any]:
     d = dict(row)
     d["outputs"] = json.loads(d["outputs"] or "[]")
+    d.pop("snapshot_owner", None)  # bookkeeping of the recorder (store/processes.py)
     return d
 
 

@@ -30,6 +30,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
     palette: ICommandPalette | null
   ) => {
     const service = new ThemistoService();
+    // First: the features below ask for predictions on the same `executed` signal, naming the
+    // execution the service has just noted.
+    service.followExecutions(tracker);
     activateNextCell(service, manager, tracker, app.commands);
     activateOutputPrediction(service, tracker, app.commands);
     activatePanel(app, service, tracker);

@@ -57,12 +57,16 @@ function errorMessage(response: Response, body: string): string {
   return `${response.status} ${response.statusText}`.trim();
 }
 
+/** Trajectories, newest first; only those of a notebook path and/or a kernel, if given. */
 export async function listTrajectories(
-  query: { notebook_path?: string; limit?: number } = {}
+  query: { notebook_path?: string; kernel_id?: string; limit?: number } = {}
 ): Promise<ITrajectory[]> {
   const params = new URLSearchParams();
   if (query.notebook_path) {
     params.set('notebook_path', query.notebook_path);
+  }
+  if (query.kernel_id) {
+    params.set('kernel_id', query.kernel_id);
   }
   params.set('limit', String(query.limit ?? 20));
   const reply = await requestJSON<{ trajectories: ITrajectory[] }>(

@@ -2,7 +2,8 @@
  * The plugin's shared state: settings, the latest next-cell prediction per notebook, and the
  * quiet status line every feature reports to (the panel shows it; nothing pops up).
  */
-import { NotebookPanel } from '@jupyterlab/notebook';
+import { ICodeCellModel } from '@jupyterlab/cells';
+import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { UUID } from '@lumino/coreutils';
 import { ISignal, Signal } from '@lumino/signaling';
 
@@ -72,6 +73,32 @@ export class ThemistoService {
     return !!panel && this._settings.enabled && !notebookOptedOut(panel.content.model);
   }
 
+  /**
+   * Note the execution count of each code cell a notebook of `tracker` runs (the kernel's
+   * reply), so that a prediction asked after it names the execution it follows and the server
+   * answers once that execution is recorded; a kernel restart starts counting again. Connect it
+   * before anything that asks for predictions on the same signal.
+   */
+  followExecutions(tracker: INotebookTracker): void {
+    NotebookActions.executed.connect((_, { notebook, cell }) => {
+      const panel = tracker.find(p => p.content === notebook);
+      const kernel = panel?.sessionContext.session?.kernel;
+      const count =
+        cell.model.type === 'code' ? (cell.model as ICodeCellModel).executionCount : null;
+      if (panel && kernel && typeof count === 'number' && count > 0) {
+        this._lastExecution.set(panel, { kernelId: kernel.id, count });
+      }
+    });
+    const watch = (panel: NotebookPanel) =>
+      panel.sessionContext.statusChanged.connect((_, status) => {
+        if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
+          this._lastExecution.delete(panel);
+        }
+      });
+    tracker.forEach(watch);
+    tracker.widgetAdded.connect((_, panel) => watch(panel));
+  }
+
   /** The request body shared by both tasks: which kernel, which notebook, which backend. */
   baseRequest(panel: NotebookPanel, task: 'next-cell' | 'output'): IPredictRequest {
     const request: IPredictRequest = {
@@ -82,6 +109,10 @@ export class ThemistoService {
     const kernel = panel.sessionContext.session?.kernel;
     if (kernel) {
       request.kernel_id = kernel.id;
+      const last = this._lastExecution.get(panel);
+      if (last && last.kernelId === kernel.id) {
+        request.after_execution_count = last.count;
+      }
     }
     const backend = (task === 'output' && this._settings.outputBackend) || this._settings.backend;
     if (backend) {
@@ -177,6 +208,8 @@ export class ThemistoService {
   private _settings: IThemistoSettings = { ...DEFAULT_SETTINGS };
   private _status: IStatus | null = null;
   private _nextCell = new Map<string, INextCellState>();
+  /** The execution count of the code cell each notebook ran last, and in which kernel. */
+  private _lastExecution = new WeakMap<NotebookPanel, { kernelId: string; count: number }>();
   private _settingsChanged = new Signal<this, IThemistoSettings>(this);
   private _statusChanged = new Signal<this, IStatus | null>(this);
   private _nextCellChanged = new Signal<this, INextCellState>(this);

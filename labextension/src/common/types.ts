@@ -47,6 +47,9 @@ export interface INotebookCell {
 /** Body of POST /themisto/predict/next-cell and /themisto/predict/output. */
 export interface IPredictRequest {
   kernel_id?: string;
+  /** The kernel's execution count of the cell the prediction follows: the server answers once
+   * that execution is recorded. */
+  after_execution_count?: number;
   trajectory_id?: string;
   notebook_path?: string;
   backend?: string;

@@ -7,14 +7,11 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { Cell, ICodeCellModel } from '@jupyterlab/cells';
 import { CommandRegistry } from '@lumino/commands';
 
-import { listExecutions, listTrajectories, requestJSON } from '../common/handler';
+import { requestJSON } from '../common/handler';
 import { ThemistoService } from '../common/service';
 import { NextCellProvider } from './provider';
 
 export const SUGGEST_COMMAND = 'themisto:suggest-next-cell';
-
-/** How long to wait for the recorder to write the cell just run before predicting anyway. */
-const RECORD_WAIT_MS = 5000;
 
 /** Whether the notebook has run any code (in this session or as saved). */
 function hasExecutions(panel: NotebookPanel): boolean {
@@ -40,9 +37,10 @@ export function activateNextCell(
   const provider = new NextCellProvider({ service });
   manager.registerInlineProvider(provider);
 
-  // Cells sent to the kernel but not yet answered, per notebook. The backend predicts from the
-  // recorded trajectory, and Shift+Enter activates the new cell before the cell it ran is
-  // recorded: a prediction asked then would answer for the trajectory one step behind.
+  // Cells sent to the kernel but not yet answered, per notebook: a suggestion waits for them
+  // (it follows the last of them). The request names the execution it follows
+  // (ThemistoService.baseRequest), and the server waits for the recorder to write it: Shift+Enter
+  // activates the new cell before the cell it ran is recorded.
   const pending = new WeakMap<object, Set<string>>();
   const pendingOf = (notebook: object) => {
     let set = pending.get(notebook);
@@ -53,45 +51,6 @@ export function activateNextCell(
     return set;
   };
   let waiting: { panel: NotebookPanel; cell: Cell } | null = null;
-  /** What identifies the row of the cell run last: its execution count, else its source. */
-  const lastRun = new WeakMap<object, { count: number | null; source: string }>();
-
-  /**
-   * Resolve once the kernel's newest trajectory ends with the cell run last, or at once if the
-   * kernel does not record (opted out, no recorder); give up after RECORD_WAIT_MS.
-   */
-  const recorded = async (panel: NotebookPanel) => {
-    const kernelId = panel.sessionContext.session?.kernel?.id;
-    const run = lastRun.get(panel.content);
-    if (!kernelId || !run) {
-      return;
-    }
-    const started = performance.now();
-    try {
-      while (performance.now() - started < RECORD_WAIT_MS) {
-        // Looked up each time: a restarted kernel keeps its id but starts a new trajectory.
-        const list = await listTrajectories({ limit: 20 });
-        const trajectory = list.find(t => t.kernel_id === kernelId);
-        if (!trajectory) {
-          return;
-        }
-        const n = trajectory.n_executions ?? 0;
-        if (n > 0) {
-          const { executions } = await listExecutions(trajectory.id, n - 1, 1);
-          const row = executions[0];
-          if (
-            row &&
-            (run.count !== null ? row.execution_count === run.count : row.source === run.source)
-          ) {
-            return;
-          }
-        }
-        await new Promise(resolve => setTimeout(resolve, 25));
-      }
-    } catch {
-      // the server will say what is wrong when the prediction itself is asked for
-    }
-  };
 
   const invokeNow = (panel: NotebookPanel, cell: Cell) => {
     // The completer extension swaps its editor on activeCellChanged too; let it go first.
@@ -106,14 +65,14 @@ export function activateNextCell(
     });
   };
 
-  /** Invoke once the notebook's running cells are answered, the kernel idle and recorded. */
-  const invokeWhenRecorded = (panel: NotebookPanel, cell: Cell) => {
+  /** Invoke once the notebook's running cells are answered. */
+  const invokeWhenAnswered = (panel: NotebookPanel, cell: Cell) => {
     if (pendingOf(panel.content).size > 0) {
       waiting = { panel, cell };
       return;
     }
     waiting = null;
-    void recorded(panel).then(() => invokeNow(panel, cell));
+    invokeNow(panel, cell);
   };
 
   tracker.activeCellChanged.connect((_, cell) => {
@@ -133,7 +92,7 @@ export function activateNextCell(
     if (!hasExecutions(panel) && pendingOf(panel.content).size === 0) {
       return;
     }
-    invokeWhenRecorded(panel, cell);
+    invokeWhenAnswered(panel, cell);
   });
 
   /**
@@ -172,29 +131,21 @@ export function activateNextCell(
   NotebookActions.executed.connect((_, { notebook, cell }) => {
     const set = pendingOf(notebook);
     set.delete(cell.model.id);
-    const count = cell.model.type === 'code' ? (cell.model as ICodeCellModel).executionCount : null;
-    lastRun.set(notebook, {
-      count: typeof count === 'number' ? count : null,
-      source: cell.model.sharedModel.getSource()
-    });
     if (set.size === 0 && waiting && waiting.panel.content === notebook) {
-      invokeWhenRecorded(waiting.panel, waiting.cell);
+      invokeWhenAnswered(waiting.panel, waiting.cell);
       return;
     }
     // No suggestion is about to be asked for (the next cell has text, or more cells run):
-    // prepare the one that may be asked for later.
+    // prepare the one that may be asked for later (the server waits for this run's record).
     const panel = tracker.find(p => p.content === notebook);
-    if (set.size === 0 && panel && cell.model.type === 'code' && service.isActiveFor(panel)) {
-      void recorded(panel)
-        .then(() => {
-          const active = panel.content.activeCell;
-          const asking = active && !active.model.sharedModel.getSource().trim();
-          if (!asking && pendingOf(notebook).size === 0) {
-            return warm(panel, cell);
-          }
-        })
-        .catch(() => undefined); // only a preparation: the suggestion itself reports failures
+    if (set.size > 0 || !panel || cell.model.type !== 'code' || !service.isActiveFor(panel)) {
+      return;
     }
+    const active = panel.content.activeCell;
+    if (active && !active.model.sharedModel.getSource().trim()) {
+      return; // an empty cell: its suggestion does the work
+    }
+    void warm(panel, cell).catch(() => undefined); // the suggestion reports failures
   });
 
   commands.addCommand(SUGGEST_COMMAND, {

@@ -139,20 +139,21 @@ export class ThemistoPanel extends Widget {
     }
   }
 
-  /** The live kernel's trajectory if recorded, else the newest one of this notebook's path. */
+  /**
+   * The trajectory the server predicts from: the live kernel's newest one (the server knows
+   * which kernel recorded what), else, with no kernel or one that does not record, the newest
+   * one recorded for this notebook's path.
+   */
   private async _findTrajectory(panel: NotebookPanel): Promise<ITrajectory | null> {
-    const path = panel.context.path;
     const kernelId = panel.sessionContext.session?.kernel?.id;
-    const byPath = await listTrajectories({ notebook_path: path, limit: 20 });
-    const pick = (list: ITrajectory[]) =>
-      list.find(t => kernelId && t.kernel_id === kernelId) ??
-      list.find(t => t.notebook_path === path || !!t.notebook_path?.endsWith('/' + path));
-    let found: ITrajectory | undefined = pick(byPath) ?? byPath[0];
-    if (!found) {
-      // The kernel may know its notebook by an absolute path: look through recent ones.
-      found = pick(await listTrajectories({ limit: 50 }));
+    if (kernelId) {
+      const [live] = await listTrajectories({ kernel_id: kernelId, limit: 1 });
+      if (live) {
+        return live;
+      }
     }
-    return found ?? null;
+    const [saved] = await listTrajectories({ notebook_path: panel.context.path, limit: 1 });
+    return saved ?? null;
   }
 
   private _renderStatus(status: IStatus | null): void {
