@@ -479,6 +479,8 @@ def recording_results(store: Path) -> list[dict[str, Any]]:
 def stats(store: Path, dest: Path | None = None) -> dict[str, Any]:
     """Counts over an exported dump of the store (exactly what `jupyter themisto export`
     writes): notebooks, executions ok/error, cells with text output, next-cell instances."""
+    from jupyter_themisto.dump import read_manifest, read_table
+
     store = store.expanduser().resolve()
     if not store.is_file():
         raise CorpusError(f"no store at {store} (run `record --store {store}` first)")
@@ -490,39 +492,36 @@ def stats(store: Path, dest: Path | None = None) -> dict[str, Any]:
         r = _cli("export", "--out", str(out), "--snapshots", "none", "--store", str(store))
         if r.returncode != 0:
             raise CorpusError(f"export failed: {r.stderr.strip()}")
-        counts = json.loads((out / "dump.json").read_text())["counts"]
+        manifest = read_manifest(out)
+        counts = manifest["counts"]
         per_repo: dict[str, Counter] = {}
         notebooks_seen: set[str] = set()
         trajectories: set[str] = set()
         total: Counter = Counter()
-        with open(out / "executions.jsonl", encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line)
-                nb = row["notebook_path"] or "?"
-                try:
-                    key = notebook_key(nb, dest)
-                except ValueError:
-                    key = nb
-                if key not in listed:  # recorded from an older manifest, or not the corpus
-                    outside.add(key)
-                    continue
-                notebooks_seen.add(key)
-                trajectories.add(row["trajectory_id"])
-                c = per_repo.setdefault(repo_of(key), Counter())
-                for counter in (c, total):
-                    counter["cells"] += 1
-                    counter[row["status"]] += 1
-                    if row["output_text"].strip():
-                        counter["text"] += 1
-                        if row["status"] == "ok":
-                            counter["ok_text"] += 1
+        for row in read_table(out, manifest, "executions"):
+            nb = row["notebook_path"] or "?"
+            try:
+                key = notebook_key(nb, dest)
+            except ValueError:
+                key = nb
+            if key not in listed:  # recorded from an older manifest, or not the corpus
+                outside.add(key)
+                continue
+            notebooks_seen.add(key)
+            trajectories.add(row["trajectory_id"])
+            c = per_repo.setdefault(repo_of(key), Counter())
+            for counter in (c, total):
+                counter["cells"] += 1
+                counter[row["status"]] += 1
+                if row["output_text"].strip():
+                    counter["text"] += 1
+                    if row["status"] == "ok":
+                        counter["ok_text"] += 1
         # The task instances exactly as the export wrote them, of the listed notebooks only.
         tasks = {}
         for name in ("next_cell", "output"):
-            with open(out / f"{name}.jsonl", encoding="utf-8") as f:
-                tasks[name] = sum(
-                    1 for line in f if json.loads(line)["trajectory_id"] in trajectories
-                )
+            rows = read_table(out, manifest, name)
+            tasks[name] = sum(1 for row in rows if row["trajectory_id"] in trajectories)
         if not outside:
             assert tasks == {k: counts[k] for k in tasks}, (tasks, counts)
         next_cell, output_instances = tasks["next_cell"], tasks["output"]

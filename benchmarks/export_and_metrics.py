@@ -13,7 +13,6 @@ repeat-previous baseline), so their lengths are realistic.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jupyter_themisto import metrics as M  # noqa: E402
-from jupyter_themisto.cli.export import export_dump  # noqa: E402
+from jupyter_themisto.dump import TASK_TABLES, export_dump, read_manifest, read_table  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
 
 CELLS = [
@@ -124,12 +123,12 @@ def main() -> None:
             )
 
         dump = root / "dump-jsonl-summary"
-        rows = [json.loads(line) for line in (dump / "executions.jsonl").open()]
+        manifest = read_manifest(dump)
+        rows = read_table(dump, manifest, "executions")
         by_key = {(r["trajectory_id"], r["order_index"]): r for r in rows}
         pairs = {"next-cell": [], "output": []}
-        for task, file in (("next-cell", "next_cell.jsonl"), ("output", "output.jsonl")):
-            for line in (dump / file).open():
-                inst = json.loads(line)
+        for task, table in TASK_TABLES.items():
+            for inst in read_table(dump, manifest, table):
                 prev = by_key.get((inst["trajectory_id"], inst["order_index"] - 1))
                 pred = (
                     ""

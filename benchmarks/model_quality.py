@@ -124,7 +124,7 @@ def unknown_names(dump: Path, results: Path, name: str) -> str | None:
     (backends/checks.py: NameError, a list's missing attribute, a DataFrame's missing column
     when run), and their chrF beside the others': the room a runtime check has to help."""
     from jupyter_themisto.backends.checks import unknown_references
-    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+    from jupyter_themisto.dump import DumpContexts, read_manifest, read_table
 
     path = results / f"{name}.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

@@ -27,7 +27,7 @@ from model_quality import load, paired_bootstrap  # (benchmarks/, beside this sc
 
 from jupyter_themisto import metrics as M
 from jupyter_themisto.backends import NoPrediction, create_backend
-from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+from jupyter_themisto.dump import DumpContexts, read_manifest, read_table
 
 #: name -> (settings, with_runtime); the first is the reference the others change one thing of
 _PLAIN = {

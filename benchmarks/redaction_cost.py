@@ -35,8 +35,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from jupyter_themisto import redaction  # noqa: E402
-from jupyter_themisto.cli.export import export_dump  # noqa: E402
 from jupyter_themisto.context import outputs_to_text  # noqa: E402
+from jupyter_themisto.dump import export_dump  # noqa: E402
 from jupyter_themisto.redaction import KernelSecrets, StoreRedactor  # noqa: E402
 from jupyter_themisto.server.manager import ThemistoManager  # noqa: E402
 from jupyter_themisto.server.models import NextCellRequest  # noqa: E402

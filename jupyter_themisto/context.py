@@ -178,7 +178,11 @@ def truncate_text(text: str, limit: int) -> str:
 
 
 def variable_line(v: VariableInfo) -> str:
-    """One line describing a variable: name, type and the summary fields that matter."""
+    """One line describing a variable: name, type and the summary fields that matter.
+
+    The runtime summary's unit: curation spends the budget in these lines and the prompts
+    (backends/prompts.py) show them as they are, so it lives with the budget it is counted in.
+    """
     s = v.summary
     if s.get("redacted"):
         return f"{v.name}: {v.type} (redacted)"

@@ -21,8 +21,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from jupyter_themisto import metrics as M
-from jupyter_themisto.cli.export import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.context import outputs_to_text
+from jupyter_themisto.dump import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.store import TrajectoryStore
 from tests.helpers import cli
 from tests.peers import Fault, OpenAIPeer
@@ -741,7 +741,7 @@ def nb_source(path: Path, index: int) -> str:
 def test_export_notebook_cells_and_the_live_setting(recorded, dump, tmp_path):
     """The dump keeps each notebook's cells; `--setting live` gives a backend what the browser
     would send: the markdown above the target cell and the cells below it."""
-    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+    from jupyter_themisto.dump import DumpContexts, read_manifest, read_table
 
     manifest = read_manifest(dump)
     cells = read_table(dump, manifest, "notebook_cells")
@@ -810,7 +810,7 @@ def test_evaluate_live_setting_with_the_local_model(dump, tmp_path):
 def test_notebooks_without_cell_ids_match_by_position(tmp_path):
     """A notebook older than nbformat 4.5 has no cell ids: record and export name its cells by
     position alike, so the live setting still finds the markdown and the cells below."""
-    from jupyter_themisto.cli.evaluate import DumpContexts, read_manifest, read_table
+    from jupyter_themisto.dump import DumpContexts, read_manifest, read_table
 
     nb = new_notebook(
         cells=[

@@ -1,0 +1,332 @@
+"""Writing a benchmark dump from a trajectory store: the execution rows (redacted again by the
+secrets policy, jupyter_themisto.redaction), the trajectories, the notebooks' cells and the task
+instances, as JSON Lines or Parquet shards, with the manifest, the JSON schema and the dataset
+card. The folder is built under a temporary name and renamed when complete; its files and
+folders get the modes the umask gives.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .. import redaction
+from .._version import __version__
+from ..cli._common import atomic_dir, notebook_cell_id, progress, write_json
+from ..context import outputs_to_text
+from .schema import (
+    BLOB_KEY,
+    DEFAULT_SHARD_ROWS,
+    DUMP_VERSION,
+    EXECUTION_FIELDS,
+    NOTEBOOK_CELL_FIELDS,
+    TASK_FIELDS,
+    TRAJECTORY_FIELDS,
+    arrow_schema,
+    dataset_card,
+    json_schema,
+)
+
+
+def _blob_refs(outputs: Iterable[dict[str, Any]]) -> list[str]:
+    refs: list[str] = []
+    for out in outputs:
+        data = out.get("data")
+        if isinstance(data, dict):
+            for value in data.values():
+                if isinstance(value, dict) and BLOB_KEY in value:
+                    refs.append(str(value[BLOB_KEY]))
+    return refs
+
+
+def execution_rows(
+    store: Any,
+    trajectory: dict[str, Any],
+    snapshots: str,
+    pattern: str | None,
+    redactor: redaction.StoreRedactor | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Export rows of one trajectory, redacted (with --snapshots full, a variable whose
+    serialized value holds a secret loses it too)."""
+    if redactor is None:
+        redactor = redaction.StoreRedactor(store, pattern)
+        redactor.refresh()
+    blob_checked: dict[str, bool] = {}
+
+    def blob_holds_secret(digest: str) -> bool:
+        if digest not in blob_checked:
+            try:
+                blob_checked[digest] = redactor.blob_holds_secret(store.get_blob(digest))
+            except KeyError:
+                blob_checked[digest] = False
+        return blob_checked[digest]
+
+    for e in store.list_executions(trajectory["id"]):
+        snap = store.get_snapshot(e["id"]) if snapshots != "none" else None
+        variables = store.get_variables(e["id"]) if snap else []
+        row = {
+            "trajectory_id": trajectory["id"],
+            "notebook_path": trajectory.get("notebook_path"),
+            "execution_id": e["id"],
+            "order_index": e["order_index"],
+            "cell_id": e.get("cell_id"),
+            "msg_id": e.get("msg_id"),
+            "execution_count": e.get("execution_count"),
+            "source": e["source"],
+            "output_text": "",  # from the scrubbed outputs, below
+            "outputs": e["outputs"],
+            "output_blobs": _blob_refs(e["outputs"]),
+            "status": e["status"],
+            "detail": e.get("detail"),
+            "started_at": e.get("started_at"),
+            "wall_time": e.get("wall_time"),
+            "cpu_time": e.get("cpu_time"),
+            "memory_before": e.get("memory_before"),
+            "memory_after": e.get("memory_after"),
+            "memory_peak": e.get("memory_peak"),
+            "snapshot_status": e.get("snapshot_status") or "none",
+            "snapshot_mode": snap.get("mode") if snap else None,
+            "snapshot_duration": snap.get("duration") if snap else None,
+            "snapshot_detail": snap.get("detail") if snap else None,
+            "variables": [
+                {
+                    "name": v["name"],
+                    "type": v["type"],
+                    "size": v.get("size"),
+                    "summary": v.get("summary") or {},
+                    "blob_hash": v.get("blob_hash"),
+                    "fingerprint": v.get("fingerprint"),
+                    "stub_reason": v.get("stub_reason"),
+                    "changed": bool(v.get("changed", True)),
+                }
+                for v in variables
+            ],
+        }
+        row = redactor.scrub_export_row(row)
+        row["output_text"] = outputs_to_text(row["outputs"], limit=1 << 40)
+        row["outputs"] = json.dumps(row["outputs"], ensure_ascii=False)
+        for i, v in enumerate(row["variables"]):
+            if snapshots == "full" and v["blob_hash"] and blob_holds_secret(v["blob_hash"]):
+                v = row["variables"][i] = redaction.stub_variable(v, redaction.SECRET_VALUE_REASON)
+            v["summary"] = json.dumps(v["summary"], ensure_ascii=False, default=str)
+        yield row
+
+
+def notebook_cell_rows(trajectory: dict[str, Any], pattern: str | None) -> list[dict[str, Any]]:
+    """The cells of a trajectory's notebook file (what the browser has beside the executions),
+    redacted; none when the file is gone or unreadable (the live setting then lacks them)."""
+    import nbformat
+
+    path = trajectory.get("notebook_path")
+    if not path or not Path(path).is_file():
+        return []
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception:  # noqa: BLE001 - any unreadable notebook just has no cells to offer
+        return []
+    rows = []
+    for position, cell in enumerate(nb.cells):
+        source = cell.get("source") or ""
+        source = "".join(source) if isinstance(source, list) else str(source)
+        rows.append(
+            {
+                "trajectory_id": trajectory["id"],
+                "position": position,
+                "cell_id": notebook_cell_id(cell, position),
+                "cell_type": str(cell.get("cell_type") or "code"),
+                "source": redaction.redact_source(source, pattern),
+            }
+        )
+    return rows
+
+
+def task_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(next-cell, output) instances of one trajectory's rows (in order).
+
+    Next-cell: every execution after the first whose source is not blank; output: every
+    execution with a non-empty text output (as the Themisto authors, empty targets are left
+    out: they say nothing about a model).
+    """
+    next_cell: list[dict[str, Any]] = []
+    output: list[dict[str, Any]] = []
+    for k, r in enumerate(rows):
+        base = {
+            "trajectory_id": r["trajectory_id"],
+            "order_index": r["order_index"],
+            "n_context": k,
+            "cell_id": r["cell_id"],
+        }
+        if k >= 1 and r["source"].strip():
+            next_cell.append(
+                {
+                    "id": f"next-cell/{r['trajectory_id']}/{r['order_index']}",
+                    "task": "next-cell",
+                    **base,
+                    "source": "",
+                    "target": r["source"],
+                }
+            )
+        if r["output_text"].strip() and r["source"].strip():
+            output.append(
+                {
+                    "id": f"output/{r['trajectory_id']}/{r['order_index']}",
+                    "task": "output",
+                    **base,
+                    "source": r["source"],
+                    "target": r["output_text"],
+                }
+            )
+    return next_cell, output
+
+
+class _TableWriter:
+    """Rows to DIR/<name>.jsonl, or to DIR/<name>-NNNNN.parquet shards of `shard_rows`."""
+
+    def __init__(self, folder: Path, name: str, fmt: str, fields: list, shard_rows: int) -> None:
+        self.folder, self.name, self.fmt, self.fields = folder, name, fmt, fields
+        self.shard_rows = max(1, shard_rows)
+        self.buffer: list[dict[str, Any]] = []
+        self.files: list[str] = []
+        self.count = 0
+        self._jsonl = None
+        if fmt == "jsonl":
+            self.files.append(f"{name}.jsonl")
+            self._jsonl = open(folder / f"{name}.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.count += 1
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+            return
+        self.buffer.append(row)
+        if len(self.buffer) >= self.shard_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        name = f"{self.name}-{len(self.files):05d}.parquet"
+        table = pa.Table.from_pylist(self.buffer, schema=arrow_schema(self.fields))
+        pq.write_table(table, self.folder / name, compression="zstd")
+        self.files.append(name)
+        self.buffer = []
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        elif self.buffer or not self.files:
+            self._flush()
+
+
+def export_dump(
+    store: Any,
+    trajectories: list[dict[str, Any]],
+    out: Path,
+    *,
+    fmt: str = "jsonl",
+    snapshots: str = "summary",
+    shard_rows: int = DEFAULT_SHARD_ROWS,
+    pattern: str | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Write the dump folder; returns its manifest."""
+    total = sum(t["n_executions"] for t in trajectories)
+    redactor = redaction.StoreRedactor(store, pattern)
+    redactor.refresh()
+    with atomic_dir(out, force=force) as tmp:
+        writers = {
+            "executions": _TableWriter(tmp, "executions", fmt, EXECUTION_FIELDS, shard_rows),
+            "trajectories": _TableWriter(tmp, "trajectories", fmt, TRAJECTORY_FIELDS, shard_rows),
+            "next_cell": _TableWriter(tmp, "next_cell", fmt, TASK_FIELDS, shard_rows),
+            "output": _TableWriter(tmp, "output", fmt, TASK_FIELDS, shard_rows),
+            "notebook_cells": _TableWriter(
+                tmp, "notebook_cells", fmt, NOTEBOOK_CELL_FIELDS, shard_rows
+            ),
+        }
+        blobs: set[str] = set()
+        bar = progress(total, "export", unit="exec")
+        try:
+            for t in trajectories:
+                writers["trajectories"].write(
+                    {
+                        "trajectory_id": t["id"],
+                        "notebook_path": t.get("notebook_path"),
+                        "kernel_id": t.get("kernel_id"),
+                        "session_id": t.get("session_id"),
+                        "started_at": t["started_at"],
+                        "python_version": t.get("python_version"),
+                        "packages": json.dumps(t.get("packages") or {}),
+                        "host": json.dumps(t.get("host") or {}),
+                        "n_executions": t["n_executions"],
+                    }
+                )
+                rows = []
+                for row in execution_rows(store, t, snapshots, pattern, redactor):
+                    writers["executions"].write(row)
+                    rows.append(row)
+                    if snapshots == "full":
+                        blobs.update(row["output_blobs"])
+                        blobs.update(v["blob_hash"] for v in row["variables"] if v["blob_hash"])
+                    bar.update(1)
+                for r in notebook_cell_rows(t, pattern):
+                    writers["notebook_cells"].write(r)
+                next_cell, output = task_rows(rows)
+                for r in next_cell:
+                    writers["next_cell"].write(r)
+                for r in output:
+                    writers["output"].write(r)
+        finally:
+            bar.close()
+            for w in writers.values():
+                w.close()
+        missing = 0
+        if blobs:
+            folder = tmp / "blobs"
+            folder.mkdir()
+            for digest in sorted(blobs):
+                try:
+                    data = store.get_blob(digest)
+                except KeyError:
+                    missing += 1  # a snapshot child killed mid-write: the row says so too
+                    continue
+                (folder / digest).write_bytes(data)
+        manifest = {
+            "dump_version": DUMP_VERSION,
+            "generator": f"jupyter-themisto {__version__}",
+            "created_at": time.time(),
+            "format": fmt,
+            "snapshots": snapshots,
+            "secret_pattern": pattern or redaction.DEFAULT_SECRET_PATTERN,
+            "counts": {
+                "trajectories": writers["trajectories"].count,
+                "executions": writers["executions"].count,
+                "next_cell": writers["next_cell"].count,
+                "output": writers["output"].count,
+                "notebook_cells": writers["notebook_cells"].count,
+                "blobs": len(blobs) - missing,
+                "missing_blobs": missing,
+            },
+            "files": {name: w.files for name, w in writers.items()},
+        }
+        write_json(tmp / "dump.json", manifest)
+        write_json(
+            tmp / "schema.json",
+            {
+                "$schema": "https://json-schema.org/draft/2020-12/schema",
+                "title": "jupyter-themisto benchmark dump",
+                "dump_version": DUMP_VERSION,
+                "tables": {
+                    "executions": json_schema(EXECUTION_FIELDS, "execution"),
+                    "trajectories": json_schema(TRAJECTORY_FIELDS, "trajectory"),
+                    "next_cell": json_schema(TASK_FIELDS, "next-cell instance"),
+                    "output": json_schema(TASK_FIELDS, "output instance"),
+                    "notebook_cells": json_schema(NOTEBOOK_CELL_FIELDS, "notebook cell"),
+                },
+            },
+        )
+        (tmp / "README.md").write_text(dataset_card(manifest), encoding="utf-8")
+    return manifest
