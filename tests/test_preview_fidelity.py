@@ -117,6 +117,17 @@ def test_input_history_and_execution_count_are_the_real_runs(kernel):
     assert reply["outputs"][0]["execution_count"] == count
 
 
+def test_input_history_holds_the_cell_as_ipython_stores_it(kernel):
+    # (without the newline the cell's transformation adds, or the one it ends with: seen in a
+    # notebook's `print(globals())`; the count moves on before the cell runs)
+    same_as_real(
+        kernel,
+        "n = get_ipython().execution_count\n"
+        "print(n, repr(_ih[-1]), repr(In[-1]), repr(globals()[f'_i{n - 1}']))\n",
+    )
+    same_as_real(kernel, "x = %pwd\nprint(repr(_ih[-1]), repr(In[-1]))")
+
+
 def test_timing_magics_use_the_kernels_units(kernel):
     cell = "%time sum(range(10))"
     reply = kernel.preview(cell)

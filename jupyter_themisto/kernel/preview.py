@@ -188,17 +188,21 @@ def _semicolon_quiet(shell: Any, source: str) -> bool:
     return source.rstrip().endswith(";")
 
 
-def _store_input(shell: Any, cell: str, source: str) -> None:
+def _store_input(shell: Any, cell: str, source: str, n: int) -> None:
     """What IPython does with a cell's input before running it (the preview's copy of it): the
     input history (`In`, `_ih`) and `_i`, `_ii`, `_iii`, `_i<n>`."""
     hm = getattr(shell, "history_manager", None)
     if hm is None:
         return
     try:
+        # (as HistoryManager.store_inputs: without the trailing newlines; exit and quit are
+        # not stored)
+        cell, source = cell.rstrip("\n"), source.rstrip("\n")
+        if hm._exit_re.match(source.strip()):
+            return
         hm.input_hist_parsed.append(cell)
         hm.input_hist_raw.append(source)
         hm._iii, hm._ii, hm._i, hm._i00 = hm._ii, hm._i, hm._i00, source
-        n = shell.execution_count
         shell.push({"_i": hm._i, "_ii": hm._ii, "_iii": hm._iii, f"_i{n}": source}, False)
     except Exception:
         pass
@@ -208,8 +212,9 @@ def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
     """Run `source` in the shell's namespace as IPython would show it (without its hooks,
     history database or execution counter: those belong to the real kernel)."""
     cell = shell.transform_cell(source)
+    n = shell.execution_count  # the cell's number (the real run's; the kernel's next)
     try:  # tracebacks then show the cell's lines, as IPython's do ("Cell In[n], line k")
-        filename = shell.compile.cache(cell, shell.execution_count, raw_code=source)
+        filename = shell.compile.cache(cell, n, raw_code=source)
     except Exception:
         filename = "<preview>"
     tree = ast.parse(cell, filename=filename)
@@ -221,7 +226,8 @@ def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
     code = compile(tree, filename, "exec", flags=flags)
     if code.co_flags & 0x80:  # CO_COROUTINE: top-level await needs the kernel's event loop
         raise NotImplementedError("cells with top-level await are not previewed")
-    _store_input(shell, cell, source)
+    _store_input(shell, cell, source, n)
+    shell.execution_count = n + 1  # (IPython counts the cell before it runs)
     exec(code, ns)
     value = None
     if last is not None:
@@ -236,7 +242,7 @@ def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
                 "output_type": "execute_result",
                 "data": _jsonable(data),
                 "metadata": _jsonable(metadata),
-                "execution_count": shell.execution_count,
+                "execution_count": n,
             }
         )
 
