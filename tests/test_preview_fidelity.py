@@ -155,3 +155,36 @@ def test_the_cell_runs_in_the_kernels_thread_and_context(kernel):
         "print(threading.current_thread().name, asyncio.get_event_loop().is_running())\n"
         "print(decimal.Decimal(1) / 7, np.array([1 / 7]))",
     )
+
+
+def test_a_failing_display_formatter_shows_its_error_as_the_kernel_sends_it(kernel):
+    # (IPython sends the formatter's traceback through the kernel's session: a pandas Styler
+    # whose _repr_html_ raised showed a "Logging error" in the preview instead)
+    shown = same_as_real(
+        kernel,
+        "class Broken:\n"
+        "    def _repr_html_(self):\n"
+        "        raise ValueError('no html')\n"
+        "    def __repr__(self):\n"
+        "        return 'Broken()'\n"
+        "Broken()",
+    )
+    assert ("error", "ValueError", "no html") in shown
+
+
+def test_comm_messages_go_to_the_browser_not_into_the_output(kernel):
+    # (an nbagg figure talks to the browser through a comm: the notebook shows its
+    # Javascript and HTML displays, the messages are not output)
+    kernel.run("import matplotlib\nmatplotlib.use('nbagg')\nimport matplotlib.pyplot as plt")
+    try:
+        shown = same_as_real(
+            kernel, "fig, ax = plt.subplots()\nax.bar([1, 2], [3, -1])\nplt.show()"
+        )
+        assert [s[0] for s in shown] == ["display_data", "display_data"]
+        same_as_real(
+            kernel,
+            "from comm import create_comm\nc = create_comm(target_name='x')\n"
+            "c.send({'a': 1})\nprint('sent')",
+        )
+    finally:
+        kernel.run("plt.close('all')\nmatplotlib.use('inline')")

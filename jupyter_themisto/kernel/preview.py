@@ -279,6 +279,40 @@ def _error_output(shell: Any, exc: BaseException) -> dict[str, Any]:
     }
 
 
+def _capture_session(shell: Any, outputs: _Outputs) -> None:
+    """What the kernel's code sends through its session in the preview: an error (IPython's
+    traceback of a failing display formatter) becomes the error output the notebook would show;
+    anything else (comm messages of widgets and nbagg figures) goes to the browser, not into
+    the cell's output, and is dropped. (Sent as it is, from a fork, jupyter_client would log a
+    warning that the stub of the kernel's stderr turns into a "Logging error" in the output.)"""
+
+    def send(stream: Any, msg_or_type: Any, content: Any = None, *args: Any, **kw: Any) -> None:
+        kind = msg_or_type
+        if isinstance(msg_or_type, dict):
+            kind = msg_or_type.get("header", {}).get("msg_type")
+            content = msg_or_type.get("content")
+        if kind == "error" and isinstance(content, dict):
+            outputs.add(
+                {
+                    "output_type": "error",
+                    "ename": str(content.get("ename", "")),
+                    "evalue": str(content.get("evalue", "")),
+                    "traceback": [str(line) for line in content.get("traceback") or []],
+                }
+            )
+
+    seen: set[int] = set()
+    kernel = getattr(shell, "kernel", None)
+    for owner in (kernel, shell.displayhook, shell.display_pub):
+        session = getattr(owner, "session", None)
+        if session is not None and id(session) not in seen:
+            seen.add(id(session))
+            try:
+                session.send = send
+            except (AttributeError, TypeError):
+                pass
+
+
 class _KernelState:
     """What the child must take over from the kernel as it was just before the fork."""
 
@@ -371,6 +405,7 @@ def _child(
 
         pub.publish = publish
         pub.clear_output = outputs.clear
+        _capture_session(shell, outputs)
         sandbox.stub_handles(shell.user_ns, iso.stubbed, stopped)
         sandbox.install_audit_hook(stopped, iso.processes)
         started = time.perf_counter()
