@@ -181,6 +181,8 @@ def test_comm_messages_go_to_the_browser_not_into_the_output(kernel):
             kernel, "fig, ax = plt.subplots()\nax.bar([1, 2], [3, -1])\nplt.show()"
         )
         assert [s[0] for s in shown] == ["display_data", "display_data"]
+        # (the real figure would send its draw messages during the next request)
+        kernel.run("plt.close('all')\nmatplotlib.use('inline')")
         same_as_real(
             kernel,
             "from comm import create_comm\nc = create_comm(target_name='x')\n"
