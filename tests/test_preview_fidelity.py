@@ -193,3 +193,19 @@ def test_comm_messages_go_to_the_browser_not_into_the_output(kernel):
         )
     finally:
         kernel.run("plt.close('all')\nmatplotlib.use('inline')")
+
+
+def test_openmp_runs_in_the_preview_after_the_kernel_started_its_threads(kernel):
+    # (GNU OpenMP's pool does not survive the fork: KMeans hung the preview past its timeout
+    # once the kernel had run one, in scikit-learn's clustering tutorials)
+    kernel.run(
+        "from sklearn.cluster import KMeans\nfrom sklearn.datasets import make_blobs\n"
+        "X, _ = make_blobs(n_samples=1500, random_state=170)\n"
+        "KMeans(n_clusters=3, random_state=0).fit(X)"
+    )
+    shown = same_as_real(
+        kernel,
+        "km = KMeans(n_clusters=3, random_state=0).fit(X)\n"
+        "print(km.labels_[:20], km.n_iter_)\nkm.cluster_centers_.round(6)",
+    )
+    assert shown[0][0] == "stream"

@@ -313,6 +313,21 @@ def _capture_session(shell: Any, outputs: _Outputs) -> None:
                 pass
 
 
+def _serial_openmp() -> None:
+    """GNU OpenMP's thread pool does not survive a fork: a parallel region in the child waits
+    for the kernel's pool threads forever (scikit-learn's KMeans, which took 0.2 s in the kernel,
+    hung the preview past its timeout once the kernel had run one). One thread runs the region
+    in the calling thread. (threadpoolctl is loaded where such libraries are: scikit-learn
+    imports it.)"""
+    threadpoolctl = sys.modules.get("threadpoolctl")
+    if threadpoolctl is None:
+        return
+    try:
+        threadpoolctl.threadpool_limits(limits=1, user_api="openmp")
+    except Exception:
+        pass
+
+
 class _KernelState:
     """What the child must take over from the kernel as it was just before the fork."""
 
@@ -407,6 +422,7 @@ def _child(
         pub.clear_output = outputs.clear
         _capture_session(shell, outputs)
         sandbox.stub_handles(shell.user_ns, iso.stubbed, stopped)
+        _serial_openmp()
         sandbox.install_audit_hook(stopped, iso.processes)
         started = time.perf_counter()
         try:
