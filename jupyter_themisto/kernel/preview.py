@@ -188,17 +188,21 @@ def _semicolon_quiet(shell: Any, source: str) -> bool:
     return source.rstrip().endswith(";")
 
 
-def _store_input(shell: Any, cell: str, source: str) -> None:
+def _store_input(shell: Any, cell: str, source: str, n: int) -> None:
     """What IPython does with a cell's input before running it (the preview's copy of it): the
     input history (`In`, `_ih`) and `_i`, `_ii`, `_iii`, `_i<n>`."""
     hm = getattr(shell, "history_manager", None)
     if hm is None:
         return
     try:
+        # (as HistoryManager.store_inputs: without the trailing newlines; exit and quit are
+        # not stored)
+        cell, source = cell.rstrip("\n"), source.rstrip("\n")
+        if hm._exit_re.match(source.strip()):
+            return
         hm.input_hist_parsed.append(cell)
         hm.input_hist_raw.append(source)
         hm._iii, hm._ii, hm._i, hm._i00 = hm._ii, hm._i, hm._i00, source
-        n = shell.execution_count
         shell.push({"_i": hm._i, "_ii": hm._ii, "_iii": hm._iii, f"_i{n}": source}, False)
     except Exception:
         pass
@@ -208,8 +212,9 @@ def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
     """Run `source` in the shell's namespace as IPython would show it (without its hooks,
     history database or execution counter: those belong to the real kernel)."""
     cell = shell.transform_cell(source)
+    n = shell.execution_count  # the cell's number (the real run's; the kernel's next)
     try:  # tracebacks then show the cell's lines, as IPython's do ("Cell In[n], line k")
-        filename = shell.compile.cache(cell, shell.execution_count, raw_code=source)
+        filename = shell.compile.cache(cell, n, raw_code=source)
     except Exception:
         filename = "<preview>"
     tree = ast.parse(cell, filename=filename)
@@ -221,7 +226,8 @@ def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
     code = compile(tree, filename, "exec", flags=flags)
     if code.co_flags & 0x80:  # CO_COROUTINE: top-level await needs the kernel's event loop
         raise NotImplementedError("cells with top-level await are not previewed")
-    _store_input(shell, cell, source)
+    _store_input(shell, cell, source, n)
+    shell.execution_count = n + 1  # (IPython counts the cell before it runs)
     exec(code, ns)
     value = None
     if last is not None:
@@ -236,7 +242,7 @@ def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
                 "output_type": "execute_result",
                 "data": _jsonable(data),
                 "metadata": _jsonable(metadata),
-                "execution_count": shell.execution_count,
+                "execution_count": n,
             }
         )
 
@@ -271,6 +277,55 @@ def _error_output(shell: Any, exc: BaseException) -> dict[str, Any]:
         "evalue": str(exc),
         "traceback": [str(line) for line in tb],
     }
+
+
+def _capture_session(shell: Any, outputs: _Outputs) -> None:
+    """What the kernel's code sends through its session in the preview: an error (IPython's
+    traceback of a failing display formatter) becomes the error output the notebook would show;
+    anything else (comm messages of widgets and nbagg figures) goes to the browser, not into
+    the cell's output, and is dropped. (Sent as it is, from a fork, jupyter_client would log a
+    warning that the stub of the kernel's stderr turns into a "Logging error" in the output.)"""
+
+    def send(stream: Any, msg_or_type: Any, content: Any = None, *args: Any, **kw: Any) -> None:
+        kind = msg_or_type
+        if isinstance(msg_or_type, dict):
+            kind = msg_or_type.get("header", {}).get("msg_type")
+            content = msg_or_type.get("content")
+        if kind == "error" and isinstance(content, dict):
+            outputs.add(
+                {
+                    "output_type": "error",
+                    "ename": str(content.get("ename", "")),
+                    "evalue": str(content.get("evalue", "")),
+                    "traceback": [str(line) for line in content.get("traceback") or []],
+                }
+            )
+
+    seen: set[int] = set()
+    kernel = getattr(shell, "kernel", None)
+    for owner in (kernel, shell.displayhook, shell.display_pub):
+        session = getattr(owner, "session", None)
+        if session is not None and id(session) not in seen:
+            seen.add(id(session))
+            try:
+                session.send = send
+            except (AttributeError, TypeError):
+                pass
+
+
+def _serial_openmp() -> None:
+    """GNU OpenMP's thread pool does not survive a fork: a parallel region in the child waits
+    for the kernel's pool threads forever (scikit-learn's KMeans, which took 0.2 s in the kernel,
+    hung the preview past its timeout once the kernel had run one). One thread runs the region
+    in the calling thread. (threadpoolctl is loaded where such libraries are: scikit-learn
+    imports it.)"""
+    threadpoolctl = sys.modules.get("threadpoolctl")
+    if threadpoolctl is None:
+        return
+    try:
+        threadpoolctl.threadpool_limits(limits=1, user_api="openmp")
+    except Exception:
+        pass
 
 
 class _KernelState:
@@ -365,7 +420,9 @@ def _child(
 
         pub.publish = publish
         pub.clear_output = outputs.clear
+        _capture_session(shell, outputs)
         sandbox.stub_handles(shell.user_ns, iso.stubbed, stopped)
+        _serial_openmp()
         sandbox.install_audit_hook(stopped, iso.processes)
         started = time.perf_counter()
         try:
