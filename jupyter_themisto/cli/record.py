@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import queue
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_core.utils import ensure_async
-
+from ..kernel_client import KernelNoReply, silent_execute
 from ._common import CliError, notebook_cell_id, progress, store_path
 
 # Silent executes fire no pre/post_run_cell, so none of this is recorded; the expressions bind
@@ -126,35 +124,18 @@ def _send_cell_ids(kc: Any, current: dict[str, Any]) -> None:
     kc.execute = execute
 
 
-async def _shell_reply(client: Any, msg_id: str, timeout: float, what: str) -> dict[str, Any]:
-    """The shell reply to `msg_id`, waiting at most `timeout` seconds (CliError after)."""
-    kc = client.kc
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CliError(f"{what}: the kernel did not answer within {timeout:.0f} s")
-        try:
-            reply = await kc.get_shell_msg(timeout=min(left, 5.0))
-        except queue.Empty:
-            # Still working: a kernel that died is an error at once, else wait on.
-            if not await ensure_async(kc.is_alive()):
-                raise CliError(f"{what}: the kernel died") from None
-            continue
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply
-
-
 async def _execute_silent(
     client: Any,
     code: str,
     timeout: float = 60.0,
     what: str = "loading the recorder",
-    **kw: Any,
+    **request: Any,
 ) -> dict[str, Any]:
     """A silent execute (no run_cell hooks, no history); returns the reply content."""
-    msg_id = client.kc.execute(code, silent=True, store_history=False, **kw)
-    return (await _shell_reply(client, msg_id, timeout, what))["content"]
+    try:
+        return await silent_execute(client.kc, code, timeout=timeout, what=what, **request)
+    except KernelNoReply as e:
+        raise CliError(str(e)) from e
 
 
 async def _query(client: Any, expression: str, timeout: float = 60.0) -> Any:

@@ -30,6 +30,8 @@ from typing import Any
 
 from jupyter_core.utils import ensure_async
 
+from ..kernel_client import silent_execute
+
 KERNEL_ACTIONS_SCHEMA = "https://events.jupyter.org/jupyter_server/kernel_actions/v1"
 LOAD_CODE = "%load_ext jupyter_themisto"
 EXT_ARGUMENT = "--ext=jupyter_themisto"
@@ -262,12 +264,13 @@ class AutoRecorder:
         client.start_channels()
         try:
             await ensure_async(client.wait_for_ready(timeout=self.ready_timeout))
-            msg_id = client.execute(LOAD_CODE, silent=True, store_history=False, allow_stdin=False)
-            while True:
-                reply = await ensure_async(client.get_shell_msg(timeout=self.ready_timeout))
-                if reply.get("parent_header", {}).get("msg_id") == msg_id:
-                    break
-            content = reply.get("content", {})
+            content = await silent_execute(
+                client,
+                LOAD_CODE,
+                timeout=self.ready_timeout,
+                what="loading the recorder",
+                allow_stdin=False,
+            )
             if content.get("status") != "ok":
                 raise RuntimeError(f"{content.get('ename')}: {content.get('evalue')}")
         finally:
