@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from ._common import CliError
+from ..console import CliError
 
 __all__ = ["CliError", "main"]
 

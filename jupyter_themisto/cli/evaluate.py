@@ -33,8 +33,9 @@ from ..backends import (
     UnknownBackend,
     create_backend,
 )
+from ..console import CliError, progress
 from ..dump import TASK_TABLES, DumpContexts, read_manifest, read_table, train_store
-from ._common import CliError, atomic_file, progress, write_json
+from ..files import atomic_file, write_json
 
 TASKS = ("next-cell", "output")
 SETTINGS = ("trajectory", "live")

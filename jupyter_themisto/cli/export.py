@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import redaction
+from ..console import CliError
 from ..dump import DEFAULT_SHARD_ROWS, FORMATS, SNAPSHOT_MODES, export_dump
-from ._common import CliError, open_store
+from ._common import open_store
 from .listing import resolve_trajectory
 
 

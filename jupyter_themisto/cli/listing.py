@@ -7,8 +7,9 @@ import datetime as dt
 import json
 from typing import Any
 
+from ..console import CliError
 from ..context import outputs_to_text
-from ._common import CliError, one_line, open_store, table
+from ._common import one_line, open_store, table
 
 
 def add_parsers(sub: Any) -> None:

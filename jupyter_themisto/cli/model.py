@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends import model_files
-from ._common import CliError
+from ..console import CliError
 
 
 def add_parsers(sub: Any) -> None:

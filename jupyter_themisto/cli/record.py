@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..console import CliError, progress
+from ..dump.schema import notebook_cell_id
 from ..kernel_client import KernelNoReply, silent_execute
-from ._common import CliError, notebook_cell_id, progress, store_path
+from ._common import store_path
 
 # Silent executes fire no pre/post_run_cell, so none of this is recorded; the expressions bind
 # no names, so nothing of ours shows up in the person's namespace or its snapshots.

@@ -2,8 +2,8 @@
 `jupyter themisto export`) and reading one back (`reader`, used by `jupyter themisto evaluate`
 and the benchmarks).
 
-A dump someone can fix (a missing folder, a bad manifest, a missing file) is reported as the
-CLI's CliError, as the atomic writes it shares with the CLI (cli/_common.py) report theirs.
+A dump someone can fix (a missing folder, a bad manifest, a missing file) is reported as a
+CliError (jupyter_themisto.console), as the atomic writes (jupyter_themisto.files) report theirs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..cli._common import CliError
+from ..console import CliError
 from ..context import build_context
 
 

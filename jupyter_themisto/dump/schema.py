@@ -286,3 +286,10 @@ With `--snapshots full`, `blobs/<sha256>` holds the bytes a `blob_hash` or an ou
 `pickle` or `dill`) — load only dumps you trust; for outputs, the decoded binary MIME value
 (e.g. a PNG).
 """
+
+
+def notebook_cell_id(cell: Any, position: int) -> str:
+    """A cell's nbformat id, or for a notebook older than nbformat 4.5 (no ids) one made from
+    its position, the same for `record` (which sends it with each execution) and `export`
+    (which matches the notebook's cells to the executions by it)."""
+    return str(cell.get("id") or f"position-{position}")

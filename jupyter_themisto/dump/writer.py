@@ -15,8 +15,9 @@ from typing import Any
 
 from .. import redaction
 from .._version import __version__
-from ..cli._common import atomic_dir, notebook_cell_id, progress, write_json
+from ..console import progress
 from ..context import outputs_to_text
+from ..files import atomic_dir, write_json
 from .schema import (
     BLOB_KEY,
     DEFAULT_SHARD_ROWS,
@@ -28,6 +29,7 @@ from .schema import (
     arrow_schema,
     dataset_card,
     json_schema,
+    notebook_cell_id,
 )
 
 
