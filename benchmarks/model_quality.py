@@ -32,8 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from jupyter_themisto.store.trajectory_store import TrajectoryStore
-
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "jupyter_themisto.cli"]
 
@@ -206,9 +204,6 @@ def main() -> None:
             else:
                 corpus.ensure_recorded(store_file)
         if not dump.exists():
-            # export opens the store read-only: bring a store recorded by an older version to
-            # this version's schema first (what any writer of it would do).
-            TrajectoryStore(store_file).close()
             # A corpus store recorded from an older manifest: only the notebooks listed now.
             chosen = None if args.notebooks else corpus.listed_trajectories(store_file)
             only = ["--trajectory", *chosen] if chosen else []

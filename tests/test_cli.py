@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -23,7 +24,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 from jupyter_themisto import metrics as M
 from jupyter_themisto.context import outputs_to_text
 from jupyter_themisto.dump import EXECUTION_FIELDS, TASK_FIELDS
-from jupyter_themisto.store import TrajectoryStore
+from jupyter_themisto.store import SCHEMA_VERSION, TrajectoryStore
+from jupyter_themisto.store.schema import MIGRATIONS
 from tests.helpers import cli
 from tests.peers import Fault, OpenAIPeer
 
@@ -650,6 +652,70 @@ def test_bad_inputs(recorded, dump, tmp_path):
     assert not (tmp_path / "evaluation").exists()
     r = cli("record", "--help-me")  # argparse's own usage error: non-zero, on stderr
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def _old_store(path: Path) -> None:
+    """A store as jupyter-themisto's first schema (version 1) wrote it: a trajectory, two
+    executions, the first with an inline snapshot of one variable."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for statement in MIGRATIONS[0].split(";\n"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute(
+        "INSERT INTO trajectories (id, notebook_path, started_at) VALUES ('old1', 'old.ipynb', 1)"
+    )
+    stdout = json.dumps([{"output_type": "stream", "name": "stdout", "text": "1\n"}])
+    for order, (source, outputs) in enumerate([("x = 1", "[]"), ("print(x)", stdout)]):
+        conn.execute(
+            "INSERT INTO executions (trajectory_id, order_index, execution_count, source,"
+            " outputs, status) VALUES ('old1', ?, ?, ?, ?, 'ok')",
+            (order, order + 1, source, outputs),
+        )
+    conn.execute(
+        "INSERT INTO snapshots (execution_id, status, mode, created_at)"
+        " VALUES (1, 'ok', 'inline', 2)"
+    )
+    conn.execute("UPDATE executions SET snapshot_id = 1, snapshot_status = 'ok' WHERE id = 1")
+    conn.execute(
+        "INSERT INTO variables (snapshot_id, name, type, summary) VALUES (1, 'x', 'int', ?)",
+        (json.dumps({"repr": "1"}),),
+    )
+    conn.close()
+
+
+def _schema_version(path: Path) -> int:
+    conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    try:
+        return conn.execute("PRAGMA user_version").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_export_migrates_a_store_of_an_older_schema(tmp_path):
+    store = tmp_path / "old.sqlite"
+    _old_store(store)
+    out = tmp_path / "dump"
+    # Another process holds the store's write lock: no migration, a clear error, nothing lost.
+    holder = sqlite3.connect(store, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        msg = _one_line_error(cli("export", "--out", str(out), store=store))
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert "schema version 1, older than" in msg and "could not be migrated" in msg
+    assert _schema_version(store) == 1 and not out.exists()
+    # Writable: migrated first (as a recording kernel or the server would), then exported.
+    r = cli("export", "--out", str(out), store=store)
+    assert r.returncode == 0, r.stderr
+    assert _schema_version(store) == SCHEMA_VERSION
+    rows = [json.loads(line) for line in (out / "executions.jsonl").read_text().splitlines()]
+    assert [(e["source"], e["output_text"]) for e in rows] == [("x = 1", ""), ("print(x)", "1\n")]
+    assert rows[0]["snapshot_status"] == "ok"
+    assert [(v["name"], v["type"]) for v in rows[0]["variables"]] == [("x", "int")]
+    assert "old.ipynb" in cli("list", store=store).stdout
+    assert "print(x)" in cli("show", "old1", store=store).stdout
 
 
 def test_evaluate_backend_failures_are_recorded_and_retried(dump, tmp_path):

@@ -146,6 +146,11 @@ class TrajectoryStore:
         """How long this thread's connection waits for another writer's lock (0: not at all)."""
         self._conn().execute(f"PRAGMA busy_timeout = {max(0, int(seconds * 1000))}")
 
+    def schema_version(self) -> int:
+        """The schema version of the file (SCHEMA_VERSION once migrated; a read-only store is
+        not migrated)."""
+        return int(self._conn().execute("PRAGMA user_version").fetchone()[0])
+
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._pid == os.getpid():
