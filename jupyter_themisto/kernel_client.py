@@ -8,15 +8,24 @@ recorded. (The preview backend sends its request on a socket of its own: backend
 
 from __future__ import annotations
 
+import ast
 import queue
 import time
 from typing import Any
 
 from jupyter_core.utils import ensure_async
 
+#: The kernel's recorder as an expression: for silent executes and user expressions, which bind
+#: no name in the person's namespace (nothing of ours shows up in it or its snapshots).
+RECORDER = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
+
 
 class KernelNoReply(RuntimeError):
     """The kernel died, or did not answer within the time given."""
+
+
+class ExpressionFailed(RuntimeError):
+    """A user expression raised in the kernel (the message: its error's name and value)."""
 
 
 async def silent_execute(
@@ -44,3 +53,15 @@ async def silent_execute(
             continue
         if reply.get("parent_header", {}).get("msg_id") == msg_id:
             return dict(reply.get("content", {}))
+
+
+def expression_value(content: dict[str, Any], name: str) -> Any:
+    """The value of user expression `name` in an execute reply's content, read back from its
+    repr (None when that is not a Python literal); ExpressionFailed when it raised."""
+    value = content.get("user_expressions", {}).get(name, {})
+    if value.get("status") != "ok":
+        raise ExpressionFailed(f"{value.get('ename')}: {value.get('evalue')}")
+    try:
+        return ast.literal_eval(value.get("data", {}).get("text/plain", "None"))
+    except (ValueError, SyntaxError):
+        return None

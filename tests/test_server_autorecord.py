@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 
 import pytest
@@ -214,3 +215,42 @@ async def test_lost_executions_are_served_and_predicted_on(jp_fetch, store_path)
     assert "database is full" in rows[1]["detail"]
     r = await post(jp_fetch, "next-cell", {"trajectory_id": tid, "backend": "retrieval"})
     assert r.code == 200 and "event: done" in r.body.decode()
+
+
+async def test_a_python_kernel_that_is_not_ipykernel_is_loaded_late(
+    jp_fetch, jp_serverapp, jp_root_dir, jp_data_dir, store_path
+):
+    """A Python kernelspec whose command line does not name ipykernel cannot take `--ext`: the
+    server loads the recorder with a silent execute once the kernel is ready, and names the
+    trajectory by the notebook's API path."""
+    launcher = jp_data_dir / "start_kernel.py"
+    launcher.write_text(
+        "from ipykernel.kernelapp import launch_new_instance\nlaunch_new_instance()\n"
+    )
+    spec = jp_data_dir / "kernels" / "late-python"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, str(launcher), "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "late", "language": "python"})
+    )
+    app = jp_serverapp.web_app.settings["themisto_app"]
+    (jp_root_dir / "sub").mkdir()
+    write_notebook(jp_root_dir / "sub", "late.ipynb")
+    body = {
+        "path": "sub/late.ipynb",
+        "type": "notebook",
+        "name": "late.ipynb",
+        "kernel": {"name": "late-python"},
+    }
+    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(body))
+    kernel_id = json.loads(r.body)["kernel"]["id"]
+    await wait_for(lambda: kernel_id in app.auto_recorder.outcomes)
+    assert app.auto_recorder.outcomes[kernel_id] == "loaded"
+    await run_cell(jp_serverapp, kernel_id, "late = 1")
+    store = TrajectoryStore(store_path)
+    traj = await wait_for(lambda: store.latest_trajectory_for_kernel(kernel_id))
+    rows = await wait_for(lambda: store.list_executions(traj["id"]))
+    assert [r["source"] for r in rows] == ["late = 1"]
+    assert traj["notebook_path"] == "sub/late.ipynb"
+    store.close()
+    await jp_fetch("api", "kernels", kernel_id, method="DELETE")

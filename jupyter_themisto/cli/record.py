@@ -19,32 +19,24 @@ from typing import Any
 
 from ..console import CliError, progress
 from ..dump.schema import notebook_cell_id
-from ..kernel_client import KernelNoReply, silent_execute
+from ..kernel_client import (
+    RECORDER,
+    ExpressionFailed,
+    KernelNoReply,
+    expression_value,
+    silent_execute,
+)
 from ._common import store_path
 
 # Silent executes fire no pre/post_run_cell, so none of this is recorded; the expressions bind
 # no names, so nothing of ours shows up in the person's namespace or its snapshots.
 _LOAD = "get_ipython().run_line_magic('load_ext', 'jupyter_themisto')"
-_SET_MODE = (
-    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
-    ".get_recorder().snapshot_mode = {mode!r}"
-)
-_FLUSH = (
-    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
-    ".settle({timeout})"
-)
-_RUNNING = (
-    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
-    ".get_recorder().snapshots.running()"
-)
-_REAP = (
-    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder'])"
-    ".get_recorder().snapshots.reap()"
-)
-_TRAJECTORY = (
-    "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().trajectory_id"
-)
-_STATUS = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder().status()"
+_SET_MODE = f"{RECORDER}.snapshot_mode = {{mode!r}}"
+_FLUSH = f"{RECORDER}.settle({{timeout}})"
+_RUNNING = f"{RECORDER}.snapshots.running()"
+_REAP = f"{RECORDER}.snapshots.reap()"
+_TRAJECTORY = f"{RECORDER}.trajectory_id"
+_STATUS = f"{RECORDER}.status()"
 
 
 def add_parsers(sub: Any) -> None:
@@ -141,16 +133,14 @@ async def _execute_silent(
 
 
 async def _query(client: Any, expression: str, timeout: float = 60.0) -> Any:
-    """Evaluate an expression silently (a user_expression of a silent execute)."""
+    """Evaluate an expression silently (a user_expression of a silent execute): its value."""
     content = await _execute_silent(
         client, "", timeout, "asking the recorder", user_expressions={"v": expression}
     )
-    value = content.get("user_expressions", {}).get("v", {})
-    if value.get("status") != "ok":
-        raise CliError(
-            f"the recorder did not load in the kernel: {value.get('ename')}: {value.get('evalue')}"
-        )
-    return value["data"].get("text/plain")
+    try:
+        return expression_value(content, "v")
+    except ExpressionFailed as e:
+        raise CliError(f"the recorder did not load in the kernel: {e}") from e
 
 
 def record_notebook(
@@ -195,7 +185,7 @@ def record_notebook(
                 await _execute_silent(client, _LOAD)
                 await _execute_silent(client, _SET_MODE.format(mode=snapshot_mode))
                 tid = await _query(client, _TRAJECTORY)
-                trajectory_id = tid.strip("'\"") if tid and tid != "None" else None
+                trajectory_id = tid if isinstance(tid, str) else None
                 for index, cell in code_cells:
                     current["cell_id"] = notebook_cell_id(cell, index)
                     try:
@@ -217,7 +207,8 @@ def record_notebook(
                 # 'failed' by the next recorder or server that reads the store.)
                 try:
                     await _finish(client, flush_timeout)
-                    status = _literal(await _query(client, _STATUS))
+                    found = await _query(client, _STATUS)
+                    status = found if isinstance(found, dict) else {}
                 except CliError as e:
                     error = f"{error}; {e}" if error else str(e)
         except CliError:
@@ -250,21 +241,11 @@ async def _finish(client: Any, timeout: float) -> None:
     await _execute_silent(client, _FLUSH.format(timeout=timeout), timeout + 10, what)
     while True:
         await _execute_silent(client, _REAP, 60.0, what)
-        if await _query(client, _RUNNING) in ("0", None):
+        if await _query(client, _RUNNING) in (0, None):
             return
         if time.monotonic() > deadline:
             raise CliError(f"{what}: snapshot processes still running after {timeout:.0f} s")
         await asyncio.sleep(0.1)
-
-
-def _literal(text: Any) -> dict[str, Any]:
-    import ast
-
-    try:
-        value = ast.literal_eval(text) if isinstance(text, str) else None
-    except (ValueError, SyntaxError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _count_recorded(store: Path, trajectory_id: str | None) -> tuple[int, int]:

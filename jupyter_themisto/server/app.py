@@ -129,7 +129,10 @@ class ThemistoExtensionApp(ExtensionApp):
             execution_wait=self.execution_wait,
         )
         self.auto_recorder = AutoRecorder(
-            self.serverapp, log=self.log, ready_timeout=self.auto_record_timeout, store=self.store
+            self.serverapp,
+            log=self.log,
+            ready_timeout=self.auto_record_timeout,
+            manager=self.manager,
         )
         if self.auto_record:
             self.auto_recorder.attach()

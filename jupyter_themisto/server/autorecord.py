@@ -26,14 +26,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 from jupyter_core.utils import ensure_async
 
-from ..kernel_client import silent_execute
+from ..kernel_client import RECORDER, ExpressionFailed, expression_value, silent_execute
 
 KERNEL_ACTIONS_SCHEMA = "https://events.jupyter.org/jupyter_server/kernel_actions/v1"
 LOAD_CODE = "%load_ext jupyter_themisto"
+# Evaluated after LOAD_CODE: the id of the trajectory the recorder has begun.
+TRAJECTORY_EXPRESSION = f"{RECORDER}.trajectory_id"
 EXT_ARGUMENT = "--ext=jupyter_themisto"
 RECORD_ENV = "THEMISTO_RECORD"
 ROOT_ENV = "THEMISTO_SERVER_ROOT"
@@ -57,10 +60,11 @@ class AutoRecorder:
         *,
         log: logging.Logger,
         ready_timeout: float = 60.0,
-        store: Any = None,
+        manager: Any = None,
     ) -> None:
         self.serverapp = serverapp
-        self.store = store
+        # The extension's ThemistoManager: its store and store threads.
+        self.manager = manager
         self.log = log
         self.ready_timeout = ready_timeout
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -232,13 +236,25 @@ class AutoRecorder:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _use_api_path(self, kernel_id: str, path: str | None) -> None:
-        # A late-loaded kernel knows its notebook only as an OS path (JPY_SESSION_NAME).
-        if not path or self.store is None:
+    async def _use_api_path(self, trajectory_id: str | None, path: str | None) -> None:
+        """A late-loaded kernel knows its notebook only as an OS path (JPY_SESSION_NAME): name
+        its trajectory by the API path once the kernel's writer thread has written it. The
+        store calls run in the manager's store threads (SQLite blocks; the event loop goes on)."""
+        manager = self.manager
+        if not path or not trajectory_id or manager is None:
             return
-        t = self.store.latest_trajectory_for_kernel(kernel_id)
-        if t is not None and t.get("notebook_path") != path:
-            self.store.update_trajectory(t["id"], notebook_path=path)
+        deadline = time.monotonic() + self.ready_timeout
+        while (
+            t := await manager.in_store_thread(manager.store.get_trajectory, trajectory_id)
+        ) is None:
+            if time.monotonic() > deadline:
+                self.log.warning("themisto: trajectory %s was never written", trajectory_id)
+                return
+            await asyncio.sleep(0.05)
+        if t.get("notebook_path") != path:
+            await manager.in_store_thread(
+                manager.store.update_trajectory, trajectory_id, notebook_path=path
+            )
 
     async def enable(self, kernel_id: str) -> str:
         try:
@@ -270,11 +286,16 @@ class AutoRecorder:
                 timeout=self.ready_timeout,
                 what="loading the recorder",
                 allow_stdin=False,
+                user_expressions={"trajectory": TRAJECTORY_EXPRESSION},
             )
             if content.get("status") != "ok":
                 raise RuntimeError(f"{content.get('ename')}: {content.get('evalue')}")
         finally:
             client.stop_channels()
-        self._use_api_path(kernel_id, path)
+        try:
+            trajectory_id = expression_value(content, "trajectory")
+        except ExpressionFailed:
+            trajectory_id = None
+        await self._use_api_path(trajectory_id, path)
         self.log.info("themisto: recording kernel %s (%s), loaded late", kernel_id, path)
         return "loaded"
