@@ -507,26 +507,17 @@ def _slow_peer(delay: float, state: dict):
     return OpenAIPeer(reply=reply)
 
 
+def _evaluate_openai(dump: Path, out: Path, peer: OpenAIPeer, *more: str) -> list[str]:
+    """`evaluate` arguments scoring the openai backend, served by `peer`, on next-cell."""
+    base = ["evaluate", str(dump), "--backend", "openai", "--task", "next-cell", "--out", str(out)]
+    return [*base, "-o", f"base_url={peer.url}", "-o", "api_key=sk-test-000000", *more]
+
+
 def test_evaluate_openai_peer_with_concurrency(dump, tmp_path):
     state = {"active": 0, "max": 0}
     with _slow_peer(0.3, state) as peer:
         r = cli(
-            "evaluate",
-            str(dump),
-            "--backend",
-            "openai",
-            "--task",
-            "next-cell",
-            "--concurrency",
-            "4",
-            "--out",
-            str(tmp_path / "e"),
-            "-o",
-            f"base_url={peer.url}",
-            "-o",
-            "api_key=sk-test-000000",
-            "-o",
-            "model=m",
+            *_evaluate_openai(dump, tmp_path / "e", peer, "--concurrency", "4", "-o", "model=m")
         )
         assert r.returncode == 0, r.stderr
         n = len(pd.read_json(dump / "next_cell.jsonl", lines=True))
@@ -549,20 +540,7 @@ def test_evaluate_resumes_after_sigkill(dump, tmp_path):
     n = len(pd.read_json(dump / "next_cell.jsonl", lines=True))
     state = {"active": 0, "max": 0, "delay": 0.5}
     with _slow_peer(0.5, state) as peer:
-        args = [
-            "evaluate",
-            str(dump),
-            "--backend",
-            "openai",
-            "--task",
-            "next-cell",
-            "--out",
-            str(out),
-            "-o",
-            f"base_url={peer.url}",
-            "-o",
-            "api_key=sk-test-000000",
-        ]
+        args = _evaluate_openai(dump, out, peer)
         env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter_themisto.cli", *args],
@@ -721,24 +699,7 @@ def test_export_migrates_a_store_of_an_older_schema(tmp_path):
 def test_evaluate_backend_failures_are_recorded_and_retried(dump, tmp_path):
     out = tmp_path / "e"
     with OpenAIPeer(reply="x = 1") as peer:
-        args = [
-            "evaluate",
-            str(dump),
-            "--backend",
-            "openai",
-            "--task",
-            "next-cell",
-            "--limit",
-            "2",
-            "--out",
-            str(out),
-            "-o",
-            f"base_url={peer.url}",
-            "-o",
-            "max_retries=0",
-            "-o",
-            "api_key=sk-test-000000",
-        ]
+        args = _evaluate_openai(dump, out, peer, "--limit", "2", "-o", "max_retries=0")
         peer.fail(Fault.error(500))
         peer.fail(Fault.error(500))
         r = cli(*args)

@@ -29,11 +29,11 @@ from typing import Any
 from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_variable
 from .pickling import Refused, TooLarge, TooSlow, refusal, serialize, time_limit
 from .variables import (
-    EXPENSIVE,
     SMALL_CONTAINER,
     estimated_size,
     fingerprint,
     identity_fingerprint,
+    remembered,
     summarize,
     type_name,
     xxh3,
@@ -152,13 +152,7 @@ class SnapshotWriter:
         # Nothing is reused unseen once a value was learnt secret since the last snapshot.
         same_type = prev is not None and prev.get("type") == rec["type"] and not self.recheck
         ident = identity_fingerprint(value) if fp is None else None
-        if (
-            ident is not None
-            and same_type
-            and prev is not None
-            and prev.get("fingerprint") == ident
-            and str(prev.get("stub_reason") or "").startswith(EXPENSIVE)
-        ):
+        if ident is not None and prev is not None and remembered(value, prev, self.recheck):
             # Failed last time and looks the same: remembered, not tried again.
             rec.update(
                 summary=dict(prev.get("summary") or {}),

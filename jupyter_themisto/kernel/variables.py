@@ -236,7 +236,7 @@ def _arrow_fingerprint(col: Any, xxhash: Any) -> str | None:
 
 
 # Stub reasons worth remembering: trying again costs the same and fails the same way.
-EXPENSIVE = ("too slow", "too large", "unpicklable")
+_EXPENSIVE = ("too slow", "too large", "unpicklable")
 
 
 def identity_fingerprint(value: Any) -> str:
@@ -268,6 +268,6 @@ def remembered(value: Any, prev: dict[str, Any] | None, recheck: bool) -> bool:
         prev is not None
         and not recheck
         and prev.get("type") == type_name(value)
-        and str(prev.get("stub_reason") or "").startswith(EXPENSIVE)
+        and str(prev.get("stub_reason") or "").startswith(_EXPENSIVE)
         and prev.get("fingerprint") == identity_fingerprint(value)
     )
