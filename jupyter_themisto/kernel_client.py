@@ -1,4 +1,4 @@
-"""A silent execute sent to a kernel through its jupyter_client client, and the wait for its reply.
+"""Asking a kernel from outside (server, CLI): a silent execute, its reply, the recorder's values.
 
 The server (loading the recorder into a kernel it could not launch with it) and
 `jupyter themisto record` (loading, configuring and asking the recorder) both talk to a kernel
