@@ -68,9 +68,10 @@ def test_lint_check() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "All matched files use Prettier code style!" in out
-    # eslint prints a summary only when it has something to say: then it counts no errors.
+    # eslint prints a summary only when it has something to say: no errors and no warnings.
     summary = re.search(r"(\d+) problems? \((\d+) errors?, (\d+) warnings?\)", out)
     assert summary is None or summary.group(2) == "0", out[-6000:]
+    assert summary is None, f"eslint warnings:\n{out[-6000:]}"
 
 
 @pytest.fixture(scope="module")

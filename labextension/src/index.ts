@@ -7,6 +7,7 @@ import { ICommandPalette } from '@jupyterlab/apputils';
 import { ICompletionProviderManager } from '@jupyterlab/completer';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 
 import { ThemistoService } from './common/service';
 import { PLUGIN_ID, readSettings } from './common/settings';
@@ -21,24 +22,28 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Runtime-aware next-cell and output prediction for notebooks.',
   autoStart: true,
   requires: [ICompletionProviderManager, INotebookTracker],
-  optional: [ISettingRegistry, ICommandPalette],
+  optional: [ISettingRegistry, ICommandPalette, ITranslator],
   activate: async (
     app: JupyterFrontEnd,
     manager: ICompletionProviderManager,
     tracker: INotebookTracker,
     registry: ISettingRegistry | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
+    translator: ITranslator | null
   ) => {
+    translator = translator ?? nullTranslator;
+    const trans = translator.load('jupyter_themisto');
     const service = new ThemistoService();
     // First: the features below ask for predictions on the same `executed` signal, naming the
     // execution the service has just noted.
     service.followExecutions(tracker);
-    activateNextCell(service, manager, tracker, app.commands);
-    activateOutputPrediction(service, tracker, app.commands);
-    activatePanel(app, service, tracker);
+    activateNextCell(service, manager, tracker, app.commands, translator);
+    activateOutputPrediction(service, tracker, app.commands, translator);
+    activatePanel(app, service, tracker, translator);
 
     app.commands.addCommand(TOGGLE_NOTEBOOK_COMMAND, {
-      label: 'Themisto: Record and Predict in This Notebook',
+      label: trans.__('Themisto: Record and Predict in This Notebook'),
+      describedBy: { args: { type: 'object', properties: {} } },
       isToggled: () => {
         const meta = tracker.currentWidget?.content.model?.getMetadata('themisto') as
           { record?: boolean } | undefined;
@@ -65,7 +70,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         TOGGLE_PANEL_COMMAND,
         TOGGLE_NOTEBOOK_COMMAND
       ]) {
-        palette.addItem({ command, category: 'Themisto' });
+        palette.addItem({ command, category: trans.__('Themisto') });
       }
     }
 
@@ -77,7 +82,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
       } catch (error) {
         service.setStatus({
           level: 'warning',
-          message: `Themisto settings could not be loaded; using defaults (${String(error)}).`
+          message: trans.__(
+            'Themisto settings could not be loaded; using defaults (%1).',
+            String(error)
+          )
         });
       }
     }

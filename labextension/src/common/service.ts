@@ -7,7 +7,8 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { UUID } from '@lumino/coreutils';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { describeFailure, streamPrediction } from './handler';
+import { describeFailure } from './errors';
+import { streamPrediction } from './predict';
 import { DEFAULT_SETTINGS, IThemistoSettings, notebookOptedOut } from './settings';
 import { IPredictRequest, IPredictionResult } from './types';
 

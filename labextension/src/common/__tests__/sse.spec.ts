@@ -4,7 +4,9 @@
  * events cut anywhere, multi-line data, comments, a malformed event, a connection left open.
  */
 import { PredictEvent, IPredictionResult } from '../types';
-import { readEvents, streamPrediction, ThemistoError } from '../handler';
+import { ThemistoError } from '../errors';
+import { streamPrediction } from '../predict';
+import { readEvents } from '../sse';
 import {
   connectionTo,
   gate,
