@@ -8,21 +8,26 @@ import { responseError } from './errors';
 import { sendRequest } from './request';
 import { addEvent, emptyResult } from './result';
 import { readEvents } from './sse';
-import { IPredictRequest, IPredictionResult } from './types';
+import { IPredictRequest, IPredictionResult, Task } from './types';
+
+/** The route of a `task` prediction, under /themisto/. */
+export function predictRoute(task: Task): string {
+  return `predict/${task}`;
+}
 
 /**
  * Stream one prediction. `onUpdate` sees the result after every event; the promise resolves
  * with the final result, or rejects with ThemistoError (or an AbortError when cancelled).
  */
 export async function streamPrediction(
-  task: 'next-cell' | 'output',
+  task: Task,
   body: IPredictRequest,
   signal: AbortSignal,
   onUpdate?: (result: IPredictionResult) => void,
   settings: ServerConnection.ISettings = ServerConnection.makeSettings()
 ): Promise<IPredictionResult> {
   const response = await sendRequest(
-    `predict/${task}`,
+    predictRoute(task),
     {
       method: 'POST',
       body: JSON.stringify(body),

@@ -3,7 +3,7 @@
  * output text (output), which backend answered, how long it took, and why it had nothing.
  */
 import { ThemistoError } from './errors';
-import { IChunkMetadata, IPredictionResult, ISuggestion, PredictEvent } from './types';
+import { IChunkMetadata, IPredictionResult, ISuggestion, PredictEvent, Task } from './types';
 
 /** The result before any event. */
 export function emptyResult(): IPredictionResult {
@@ -18,11 +18,7 @@ export function emptyResult(): IPredictionResult {
 }
 
 /** Fold one event of a `task` prediction into `result`; an error event throws ThemistoError. */
-export function addEvent(
-  result: IPredictionResult,
-  task: 'next-cell' | 'output',
-  item: PredictEvent
-): void {
+export function addEvent(result: IPredictionResult, task: Task, item: PredictEvent): void {
   switch (item.event) {
     case 'meta':
       result.backend = item.data.backend;

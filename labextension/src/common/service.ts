@@ -10,7 +10,7 @@ import { ISignal, Signal } from '@lumino/signaling';
 import { describeFailure } from './errors';
 import { streamPrediction } from './predict';
 import { DEFAULT_SETTINGS, IThemistoSettings, notebookOptedOut } from './settings';
-import { IPredictRequest, IPredictionResult } from './types';
+import { IPredictRequest, IPredictionResult, Task } from './types';
 
 /** One quiet message for the panel. */
 export interface IStatus {
@@ -101,7 +101,7 @@ export class ThemistoService {
   }
 
   /** The request body shared by both tasks: which kernel, which notebook, which backend. */
-  baseRequest(panel: NotebookPanel, task: 'next-cell' | 'output'): IPredictRequest {
+  baseRequest(panel: NotebookPanel, task: Task): IPredictRequest {
     const request: IPredictRequest = {
       notebook_path: panel.context.path,
       with_runtime: this._settings.withRuntime,

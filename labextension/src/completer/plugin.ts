@@ -8,6 +8,7 @@ import { Cell, ICodeCellModel } from '@jupyterlab/cells';
 import { ITranslator } from '@jupyterlab/translation';
 import { CommandRegistry } from '@lumino/commands';
 
+import { predictRoute } from '../common/predict';
 import { requestJSON } from '../common/request';
 import { ThemistoService } from '../common/service';
 import { NextCellProvider } from './provider';
@@ -117,7 +118,7 @@ export function activateNextCell(
         break;
       }
     }
-    await requestJSON('predict/next-cell', { method: 'POST', body: JSON.stringify(request) });
+    await requestJSON(predictRoute('next-cell'), { method: 'POST', body: JSON.stringify(request) });
   };
 
   NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
