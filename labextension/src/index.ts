@@ -33,7 +33,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
   ) => {
     translator = translator ?? nullTranslator;
     const trans = translator.load('jupyter_themisto');
-    const service = new ThemistoService();
+    const service = new ThemistoService({ translator });
     // First: the features below ask for predictions on the same `executed` signal, naming the
     // execution the service has just noted.
     service.followExecutions(tracker);

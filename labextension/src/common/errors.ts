@@ -2,6 +2,7 @@
  * What goes wrong talking to the themisto server: the error the transport throws, and the short
  * sentence the panel's status line shows for it.
  */
+import { TranslationBundle } from '@jupyterlab/translation';
 
 /** An HTTP or stream failure, with the status the server gave (0: the network). */
 export class ThemistoError extends Error {
@@ -29,20 +30,20 @@ export async function responseError(response: Response): Promise<ThemistoError> 
 }
 
 /** A short human sentence for a failure, for the panel's quiet status line. */
-export function describeFailure(error: unknown): string {
+export function describeFailure(error: unknown, trans: TranslationBundle): string {
   if (error instanceof ThemistoError) {
     switch (error.status) {
       case 0:
-        return `Themisto server unreachable (${error.message}).`;
+        return trans.__('Themisto server unreachable (%1).', error.message);
       case 503:
-        return `Backend unavailable: ${error.message}`;
+        return trans.__('Backend unavailable: %1', error.message);
       case 504:
-        return `Backend timed out: ${error.message}`;
+        return trans.__('Backend timed out: %1', error.message);
       case 404:
-        return `Prediction unavailable: ${error.message}`;
+        return trans.__('Prediction unavailable: %1', error.message);
       default:
-        return `Prediction failed (${error.status}): ${error.message}`;
+        return trans.__('Prediction failed (%1): %2', error.status, error.message);
     }
   }
-  return `Prediction failed: ${String(error)}`;
+  return trans.__('Prediction failed: %1', String(error));
 }

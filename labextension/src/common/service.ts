@@ -5,6 +5,7 @@
 import { ICodeCellModel } from '@jupyterlab/cells';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { UUID } from '@lumino/coreutils';
+import { ITranslator, nullTranslator, TranslationBundle } from '@jupyterlab/translation';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import { describeFailure } from './errors';
@@ -27,6 +28,10 @@ export interface INextCellState {
 }
 
 export class ThemistoService {
+  constructor(options: ThemistoService.IOptions = {}) {
+    this._trans = (options.translator ?? nullTranslator).load('jupyter_themisto');
+  }
+
   /** Sent with every request so the server cancels our superseded ones. */
   readonly clientId = UUID.uuid4();
 
@@ -62,7 +67,7 @@ export class ThemistoService {
   }
 
   reportFailure(error: unknown): void {
-    this.setStatus({ level: 'warning', message: describeFailure(error) });
+    this.setStatus({ level: 'warning', message: describeFailure(error, this._trans) });
   }
 
   nextCellState(notebookPath: string): INextCellState | null {
@@ -183,7 +188,10 @@ export class ThemistoService {
       state.result = result;
       this._nextCellChanged.emit(state);
       if (result.noPrediction) {
-        this.setStatus({ level: 'info', message: `No suggestion yet: ${result.noPrediction}` });
+        this.setStatus({
+          level: 'info',
+          message: this._trans.__('No suggestion yet: %1', result.noPrediction)
+        });
       } else {
         this.setStatus(null);
       }
@@ -194,7 +202,10 @@ export class ThemistoService {
       if (controller.signal.aborted && !signal.aborted) {
         this.setStatus({
           level: 'warning',
-          message: `The backend did not answer within ${this._settings.timeoutMs} ms.`
+          message: this._trans.__(
+            'The backend did not answer within %1 ms.',
+            this._settings.timeoutMs
+          )
         });
       } else if (!signal.aborted) {
         this.reportFailure(error);
@@ -206,6 +217,7 @@ export class ThemistoService {
     }
   }
 
+  private _trans: TranslationBundle;
   private _settings: IThemistoSettings = { ...DEFAULT_SETTINGS };
   private _status: IStatus | null = null;
   private _nextCell = new Map<string, INextCellState>();
@@ -214,4 +226,11 @@ export class ThemistoService {
   private _settingsChanged = new Signal<this, IThemistoSettings>(this);
   private _statusChanged = new Signal<this, IStatus | null>(this);
   private _nextCellChanged = new Signal<this, INextCellState>(this);
+}
+
+export namespace ThemistoService {
+  export interface IOptions {
+    /** Translates the status line's messages (the default: none). */
+    translator?: ITranslator;
+  }
 }

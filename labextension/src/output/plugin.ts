@@ -140,18 +140,19 @@ export function activateOutputPrediction(
 ): OutputPredictions {
   const trans = translator.load('jupyter_themisto');
   const predictions = new OutputPredictions(service, trans);
+  const predictActive = () => {
+    const panel = tracker.currentWidget;
+    const cell = panel?.content.activeCell;
+    if (panel && cell) {
+      predictions.predict(panel, cell);
+    }
+  };
   commands.addCommand(PREDICT_OUTPUT_COMMAND, {
     label: trans.__('Themisto: Predict the Output of the Active Cell'),
     caption: trans.__('Show a dimmed predicted output under the active cell before it runs'),
     describedBy: { args: { type: 'object', properties: {} } },
     isEnabled: () => !!tracker.currentWidget?.content.activeCell,
-    execute: () => {
-      const panel = tracker.currentWidget;
-      const cell = panel?.content.activeCell;
-      if (panel && cell) {
-        predictions.predict(panel, cell);
-      }
-    }
+    execute: predictActive
   });
 
   // Automatic mode: predict when a code cell with source becomes active, and after edits settle.
@@ -162,16 +163,7 @@ export function activateOutputPrediction(
     if (!settings.predictOutputs) {
       return;
     }
-    timer = window.setTimeout(
-      () => {
-        const panel = tracker.currentWidget;
-        const cell = panel?.content.activeCell;
-        if (panel && cell) {
-          predictions.predict(panel, cell);
-        }
-      },
-      Math.max(settings.debounceMs, 400)
-    );
+    timer = window.setTimeout(predictActive, Math.max(settings.debounceMs, 400));
   };
   let watched: Cell | null = null;
   tracker.activeCellChanged.connect((_, cell) => {

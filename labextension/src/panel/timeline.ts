@@ -75,7 +75,10 @@ export class TrajectoryView extends Widget {
       this._render(executions);
     } catch (error) {
       if (generation === this._generation) {
-        this._info.textContent = trans.__('Trajectory unavailable: %1', describeFailure(error));
+        this._info.textContent = trans.__(
+          'Trajectory unavailable: %1',
+          describeFailure(error, trans)
+        );
       }
     }
   }
