@@ -10,7 +10,12 @@ import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 
 import { ThemistoService } from './common/service';
-import { PLUGIN_ID, readSettings } from './common/settings';
+import {
+  notebookRecords,
+  PLUGIN_ID,
+  readSettings,
+  toggleNotebookRecording
+} from './common/settings';
 import { activateNextCell, SUGGEST_COMMAND } from './completer/plugin';
 import { activateOutputPrediction, PREDICT_OUTPUT_COMMAND } from './output/plugin';
 import { activatePanel, TOGGLE_PANEL_COMMAND } from './panel/plugin';
@@ -44,22 +49,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
     app.commands.addCommand(TOGGLE_NOTEBOOK_COMMAND, {
       label: trans.__('Themisto: Record and Predict in This Notebook'),
       describedBy: { args: { type: 'object', properties: {} } },
-      isToggled: () => {
-        const meta = tracker.currentWidget?.content.model?.getMetadata('themisto') as
-          { record?: boolean } | undefined;
-        return !meta || meta.record !== false;
-      },
+      isToggled: () => notebookRecords(tracker.currentWidget?.content.model),
       isEnabled: () => !!tracker.currentWidget,
       execute: () => {
         const model = tracker.currentWidget?.content.model;
-        if (!model) {
-          return;
+        if (model) {
+          toggleNotebookRecording(model);
         }
-        const meta = { ...((model.getMetadata('themisto') as object) ?? {}) } as {
-          record?: boolean;
-        };
-        meta.record = meta.record === false;
-        model.setMetadata('themisto', meta);
       }
     });
 
