@@ -15,8 +15,8 @@ import { button, div, header } from './dom';
 /** How many executions the timeline shows at most (the newest). */
 const TIMELINE_ROWS = 500;
 
-export class TrajectoryView extends Widget {
-  constructor(options: TrajectoryView.IOptions) {
+export class TimelineView extends Widget {
+  constructor(options: TimelineView.IOptions) {
     super();
     this._getNotebook = options.getNotebook;
     const trans = (this._trans = options.trans);
@@ -107,11 +107,11 @@ export class TrajectoryView extends Widget {
       return;
     }
     this._chart.appendChild(renderChart(executions, this._trans));
-    this._table.appendChild(this._timeline(executions));
+    this._table.appendChild(this._tableOf(executions));
   }
 
   /** One row an execution: order, first line of source, status, wall time, memory. */
-  private _timeline(executions: IExecution[]): HTMLTableElement {
+  private _tableOf(executions: IExecution[]): HTMLTableElement {
     const trans = this._trans;
     const table = document.createElement('table');
     table.className = 'jp-ThemistoTimeline';
@@ -159,7 +159,7 @@ export class TrajectoryView extends Widget {
   private _generation = 0;
 }
 
-export namespace TrajectoryView {
+export namespace TimelineView {
   export interface IOptions {
     getNotebook: () => NotebookPanel | null;
     trans: TranslationBundle;

@@ -9,7 +9,7 @@ import { Panel, Widget } from '@lumino/widgets';
 import { IStatus, ThemistoService } from '../common/service';
 import { div } from './dom';
 import { SuggestionsView } from './suggestions';
-import { TrajectoryView } from './timeline';
+import { TimelineView } from './timeline';
 
 export class ThemistoPanel extends Panel {
   constructor(options: ThemistoPanel.IOptions) {
@@ -27,10 +27,10 @@ export class ThemistoPanel extends Panel {
       getNotebook: options.getNotebook,
       trans
     });
-    this._trajectory = new TrajectoryView({ getNotebook: options.getNotebook, trans });
+    this._timeline = new TimelineView({ getNotebook: options.getNotebook, trans });
     this.addWidget(this._status);
     this.addWidget(this._suggestions);
-    this.addWidget(this._trajectory);
+    this.addWidget(this._timeline);
 
     this._service.statusChanged.connect(this._onStatusChanged, this);
     this._onStatusChanged(this._service, this._service.status);
@@ -50,7 +50,7 @@ export class ThemistoPanel extends Panel {
 
   /** Reload the recorded trajectory of the current notebook. */
   refreshTimeline(): Promise<void> {
-    return this._trajectory.refresh();
+    return this._timeline.refresh();
   }
 
   private _onStatusChanged(_: ThemistoService, status: IStatus | null): void {
@@ -64,7 +64,7 @@ export class ThemistoPanel extends Panel {
   private _getNotebook: () => NotebookPanel | null;
   private _status: Widget;
   private _suggestions: SuggestionsView;
-  private _trajectory: TrajectoryView;
+  private _timeline: TimelineView;
 }
 
 export namespace ThemistoPanel {
