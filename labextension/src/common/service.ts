@@ -173,6 +173,10 @@ export class ThemistoService {
     };
     this._nextCell.set(path, state);
     this._nextCellChanged.emit(state);
+    // A newer request for the notebook (the panel's Suggest beside the ghost text's, which the
+    // server answers by superseding the older) owns the panel and the status line: what the
+    // older one says after it, even its 409, is not shown.
+    const current = () => this._nextCell.get(path) === state;
     const controller = new AbortController();
     const abort = () => controller.abort();
     signal.addEventListener('abort', abort);
@@ -181,11 +185,16 @@ export class ThemistoService {
       const result = await streamPrediction('next-cell', request, controller.signal, partial => {
         state.state = 'streaming';
         state.result = partial;
-        this._nextCellChanged.emit(state);
+        if (current()) {
+          this._nextCellChanged.emit(state);
+        }
         onUpdate?.(partial);
       });
       state.state = 'done';
       state.result = result;
+      if (!current()) {
+        return result;
+      }
       this._nextCellChanged.emit(state);
       if (result.noPrediction) {
         this.setStatus({
@@ -198,6 +207,9 @@ export class ThemistoService {
       return result;
     } catch (error) {
       state.state = 'failed';
+      if (!current()) {
+        throw error;
+      }
       this._nextCellChanged.emit(state);
       if (controller.signal.aborted && !signal.aborted) {
         this.setStatus({
