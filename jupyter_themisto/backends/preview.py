@@ -92,12 +92,6 @@ class PreviewPredictor(Predictor):
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None):
         super().__init__(config, env)
-        s = self.settings
-        self.timeout = s.timeout
-        self.memory_mb = s.memory_mb
-        self.cpu_seconds = s.cpu_seconds
-        self.busy_wait = s.busy_wait
-        self.fallback_name = s.fallback
         self._fallback: Predictor | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         #: what the last preview reported (for the host's logs and for tests)
@@ -147,7 +141,7 @@ class PreviewPredictor(Predictor):
         the state from the kernel's status messages, which arrive after the replies they
         follow: right after a preview (or a cell) has answered, the state still says "busy"
         for a moment although the kernel is idle."""
-        deadline = time.monotonic() + self.busy_wait
+        deadline = time.monotonic() + self.settings.busy_wait
         while True:
             state = getattr(kernel, "execution_state", "idle")
             if state == "idle" or time.monotonic() >= deadline:
@@ -167,8 +161,8 @@ class PreviewPredictor(Predictor):
         async with lock:
             expr = (
                 "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
-                f".run_preview({source!r}, timeout={self.timeout!r}, "
-                f"memory_mb={self.memory_mb!r}, cpu_seconds={self.cpu_seconds!r})"
+                f".run_preview({source!r}, timeout={self.settings.timeout!r}, "
+                f"memory_mb={self.settings.memory_mb!r}, cpu_seconds={self.settings.cpu_seconds!r})"
             )
             content = {
                 "code": "",
@@ -180,7 +174,7 @@ class PreviewPredictor(Predictor):
             }
             # The child is killed after `timeout`; the rest is fork, JSON and messaging.
             msg = await asyncio.to_thread(
-                self._roundtrip, kernel.get_connection_info(), content, self.timeout + 30
+                self._roundtrip, kernel.get_connection_info(), content, self.settings.timeout + 30
             )
         content = msg["content"]
         if content.get("status") != "ok":
@@ -231,7 +225,7 @@ class PreviewPredictor(Predictor):
         yield OutputChunk(text=text, metadata=meta)
 
     def _fallback_backend(self) -> Predictor | None:
-        if self.fallback_name is None:
+        if self.settings.fallback is None:
             return None
         if self._fallback is None:
             from .registry import create_backend
@@ -239,8 +233,8 @@ class PreviewPredictor(Predictor):
             own = self.settings.fallback_config
             if own is None and self.env.lookup is not None:
                 # The host's instance: its settings, its loaded model (closed by the host).
-                return self.env.lookup(self.fallback_name)
-            self._fallback = create_backend(self.fallback_name, own, self.env)
+                return self.env.lookup(self.settings.fallback)
+            self._fallback = create_backend(self.settings.fallback, own, self.env)
         return self._fallback
 
     async def health(self) -> dict[str, Any]:
