@@ -34,6 +34,14 @@ export default defineConfig([
     }
   },
   {
+    // The plugin's activate() sets up every feature at once (the inline completion provider, the
+    // sidebar panel, the commands, the service they share): nothing there can wait for a click.
+    files: ['src/index.ts'],
+    rules: {
+      'jupyter/prefer-lazy-imports': ['warn', { ignoreImports: ['./common/service', './*/plugin'] }]
+    }
+  },
+  {
     files: ['src/**/__tests__/**/*.ts'],
     languageOptions: { globals: { ...globals.node, ...globals.jest } }
   },

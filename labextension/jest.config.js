@@ -4,6 +4,12 @@ const jestJupyterLab = require('@jupyterlab/testing/lib/jest-config');
 
 const base = jestJupyterLab(__dirname);
 
+// As the extension template does: JupyterLab's packages that ship ES modules (translation) are
+// compiled too, beside the preset's list.
+const esModules = ['@codemirror', '@jupyter/ydoc', '@jupyterlab/', 'lib0', 'nanoid', 'yjs'].join(
+  '|'
+);
+
 module.exports = {
   ...base,
   // The transport runs on Node's own fetch, streams and sockets, as the browser's would; the
@@ -12,5 +18,6 @@ module.exports = {
   setupFiles: [],
   reporters: ['default'],
   testRegex: 'src/.*/__tests__/.*\\.spec\\.ts$',
+  transformIgnorePatterns: [`/node_modules/(?!${esModules}).+`],
   collectCoverageFrom: ['src/**/*.ts', '!src/**/__tests__/**']
 };

@@ -16,10 +16,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
+from jupyter_themisto.backends.base import Task
 from tests.ui.lab import JupyterLab, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,9 +69,18 @@ def test_lint_check() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "All matched files use Prettier code style!" in out
-    # eslint prints a summary only when it has something to say: then it counts no errors.
+    # eslint prints a summary only when it has something to say: no errors and no warnings.
     summary = re.search(r"(\d+) problems? \((\d+) errors?, (\d+) warnings?\)", out)
     assert summary is None or summary.group(2) == "0", out[-6000:]
+    assert summary is None, f"eslint warnings:\n{out[-6000:]}"
+
+
+def test_task_union_matches_the_server() -> None:
+    """The frontend's `Task` union names the server's tasks (backends/base.py's `Task`)."""
+    types = (LABEXT / "src" / "common" / "types.ts").read_text()
+    union = re.search(r"^export type Task = ([^;]+);", types, re.M)
+    assert union is not None, "labextension/src/common/types.ts declares no Task union"
+    assert sorted(re.findall(r"'([^']+)'", union.group(1))) == sorted(get_args(Task))
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 Scenarios: ghost text in a new cell after three runs (Tab accepts it); the side panel's
 suggestions with Insert & Run; a predicted output replaced by the real one with its badge; the
-trajectory timeline; a failure shown quietly in the panel. Each saves screenshots under
-test-artifacts/. The ghost-text latency is printed, not asserted.
+trajectory timeline; a failure shown quietly in the panel; the notebook's switch in the palette.
+Each saves screenshots under test-artifacts/. The ghost-text latency is printed, not asserted.
 """
 
 from __future__ import annotations
@@ -487,6 +487,59 @@ def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -
         shot(page, "5-quiet-failure")
     finally:
         lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
+
+
+def test_palette_switches_the_notebook_off_and_on(page: Page, lab: JupyterLab) -> None:
+    """The palette's *Themisto: Record and Predict in This Notebook* shows the notebook's switch
+    and turns it over: off, the saved notebook says `"record": false` and the panel declines to
+    suggest; on again, the panel asks the backend."""
+    open_notebook(page, lab, "switch.ipynb")
+    run_cell(page, "values = [1, 2, 3, 4]")
+    page.keyboard.press("Escape")
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    toggled = re.compile(r"\blm-mod-toggled\b")
+
+    def palette_item():
+        page.keyboard.press("Control+Shift+c")
+        search = page.locator(".lm-CommandPalette-input")
+        expect(search).to_be_focused()
+        search.fill("Record and Predict in This Notebook")
+        item = page.locator(
+            ".lm-CommandPalette-item", has_text="Record and Predict in This Notebook"
+        )
+        expect(item).to_have_count(1)
+        return item
+
+    item = palette_item()
+    expect(item).to_have_class(toggled)
+    item.click()
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        saved = lab.api("GET", "/api/contents/switch.ipynb")["content"]["metadata"]
+        if "themisto" in saved:
+            break
+        time.sleep(0.3)
+    assert saved.get("themisto") == {"record": False}, saved
+    sent = next_cell_requests(page)
+    panel.get_by_role("button", name="Suggest").click()
+    expect(panel.locator(".jp-ThemistoPanel-status")).to_contain_text(
+        "switched off for this notebook"
+    )
+    page.wait_for_timeout(500)
+    assert sent == []
+    shot(page, "10-notebook-switched-off")
+
+    item = palette_item()
+    expect(item).not_to_have_class(toggled)
+    item.click()
+    panel.get_by_role("button", name="Suggest").click()
+    expect(panel.locator(".jp-ThemistoPanel-status")).not_to_contain_text("switched off")
+    deadline = time.monotonic() + 30
+    while not sent and time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+    assert [body["notebook_path"] for body in sent] == ["switch.ipynb"]
 
 
 def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: JupyterLab) -> None:

@@ -7,9 +7,15 @@ import { ICommandPalette } from '@jupyterlab/apputils';
 import { ICompletionProviderManager } from '@jupyterlab/completer';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 
 import { ThemistoService } from './common/service';
-import { PLUGIN_ID, readSettings } from './common/settings';
+import {
+  notebookRecords,
+  PLUGIN_ID,
+  readSettings,
+  toggleNotebookRecording
+} from './common/settings';
 import { activateNextCell, SUGGEST_COMMAND } from './completer/plugin';
 import { activateOutputPrediction, PREDICT_OUTPUT_COMMAND } from './output/plugin';
 import { activatePanel, TOGGLE_PANEL_COMMAND } from './panel/plugin';
@@ -21,40 +27,35 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Runtime-aware next-cell and output prediction for notebooks.',
   autoStart: true,
   requires: [ICompletionProviderManager, INotebookTracker],
-  optional: [ISettingRegistry, ICommandPalette],
+  optional: [ISettingRegistry, ICommandPalette, ITranslator],
   activate: async (
     app: JupyterFrontEnd,
     manager: ICompletionProviderManager,
     tracker: INotebookTracker,
     registry: ISettingRegistry | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
+    translator: ITranslator | null
   ) => {
-    const service = new ThemistoService();
+    translator = translator ?? nullTranslator;
+    const trans = translator.load('jupyter_themisto');
+    const service = new ThemistoService({ translator });
     // First: the features below ask for predictions on the same `executed` signal, naming the
     // execution the service has just noted.
     service.followExecutions(tracker);
-    activateNextCell(service, manager, tracker, app.commands);
-    activateOutputPrediction(service, tracker, app.commands);
-    activatePanel(app, service, tracker);
+    activateNextCell(service, manager, tracker, app.commands, translator);
+    activateOutputPrediction(service, tracker, app.commands, translator);
+    activatePanel(app, service, tracker, translator);
 
     app.commands.addCommand(TOGGLE_NOTEBOOK_COMMAND, {
-      label: 'Themisto: Record and Predict in This Notebook',
-      isToggled: () => {
-        const meta = tracker.currentWidget?.content.model?.getMetadata('themisto') as
-          { record?: boolean } | undefined;
-        return !meta || meta.record !== false;
-      },
+      label: trans.__('Themisto: Record and Predict in This Notebook'),
+      describedBy: { args: { type: 'object', properties: {} } },
+      isToggled: () => notebookRecords(tracker.currentWidget?.content.model),
       isEnabled: () => !!tracker.currentWidget,
       execute: () => {
         const model = tracker.currentWidget?.content.model;
-        if (!model) {
-          return;
+        if (model) {
+          toggleNotebookRecording(model);
         }
-        const meta = { ...((model.getMetadata('themisto') as object) ?? {}) } as {
-          record?: boolean;
-        };
-        meta.record = meta.record === false;
-        model.setMetadata('themisto', meta);
       }
     });
 
@@ -65,7 +66,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         TOGGLE_PANEL_COMMAND,
         TOGGLE_NOTEBOOK_COMMAND
       ]) {
-        palette.addItem({ command, category: 'Themisto' });
+        palette.addItem({ command, category: trans.__('Themisto') });
       }
     }
 
@@ -77,7 +78,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
       } catch (error) {
         service.setStatus({
           level: 'warning',
-          message: `Themisto settings could not be loaded; using defaults (${String(error)}).`
+          message: trans.__(
+            'Themisto settings could not be loaded; using defaults (%1).',
+            String(error)
+          )
         });
       }
     }

@@ -5,11 +5,13 @@
 import { ICodeCellModel } from '@jupyterlab/cells';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { UUID } from '@lumino/coreutils';
+import { ITranslator, nullTranslator, TranslationBundle } from '@jupyterlab/translation';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { describeFailure, streamPrediction } from './handler';
+import { describeFailure } from './errors';
+import { streamPrediction } from './predict';
 import { DEFAULT_SETTINGS, IThemistoSettings, notebookOptedOut } from './settings';
-import { IPredictRequest, IPredictionResult } from './types';
+import { IPredictRequest, IPredictionResult, Task } from './types';
 
 /** One quiet message for the panel. */
 export interface IStatus {
@@ -26,6 +28,10 @@ export interface INextCellState {
 }
 
 export class ThemistoService {
+  constructor(options: ThemistoService.IOptions = {}) {
+    this._trans = (options.translator ?? nullTranslator).load('jupyter_themisto');
+  }
+
   /** Sent with every request so the server cancels our superseded ones. */
   readonly clientId = UUID.uuid4();
 
@@ -61,7 +67,7 @@ export class ThemistoService {
   }
 
   reportFailure(error: unknown): void {
-    this.setStatus({ level: 'warning', message: describeFailure(error) });
+    this.setStatus({ level: 'warning', message: describeFailure(error, this._trans) });
   }
 
   nextCellState(notebookPath: string): INextCellState | null {
@@ -100,7 +106,7 @@ export class ThemistoService {
   }
 
   /** The request body shared by both tasks: which kernel, which notebook, which backend. */
-  baseRequest(panel: NotebookPanel, task: 'next-cell' | 'output'): IPredictRequest {
+  baseRequest(panel: NotebookPanel, task: Task): IPredictRequest {
     const request: IPredictRequest = {
       notebook_path: panel.context.path,
       with_runtime: this._settings.withRuntime,
@@ -167,6 +173,10 @@ export class ThemistoService {
     };
     this._nextCell.set(path, state);
     this._nextCellChanged.emit(state);
+    // A newer request for the notebook (the panel's Suggest beside the ghost text's, which the
+    // server answers by superseding the older) owns the panel and the status line: what the
+    // older one says after it, even its 409, is not shown.
+    const current = () => this._nextCell.get(path) === state;
     const controller = new AbortController();
     const abort = () => controller.abort();
     signal.addEventListener('abort', abort);
@@ -175,25 +185,39 @@ export class ThemistoService {
       const result = await streamPrediction('next-cell', request, controller.signal, partial => {
         state.state = 'streaming';
         state.result = partial;
-        this._nextCellChanged.emit(state);
+        if (current()) {
+          this._nextCellChanged.emit(state);
+        }
         onUpdate?.(partial);
       });
       state.state = 'done';
       state.result = result;
+      if (!current()) {
+        return result;
+      }
       this._nextCellChanged.emit(state);
       if (result.noPrediction) {
-        this.setStatus({ level: 'info', message: `No suggestion yet: ${result.noPrediction}` });
+        this.setStatus({
+          level: 'info',
+          message: this._trans.__('No suggestion yet: %1', result.noPrediction)
+        });
       } else {
         this.setStatus(null);
       }
       return result;
     } catch (error) {
       state.state = 'failed';
+      if (!current()) {
+        throw error;
+      }
       this._nextCellChanged.emit(state);
       if (controller.signal.aborted && !signal.aborted) {
         this.setStatus({
           level: 'warning',
-          message: `The backend did not answer within ${this._settings.timeoutMs} ms.`
+          message: this._trans.__(
+            'The backend did not answer within %1 ms.',
+            this._settings.timeoutMs
+          )
         });
       } else if (!signal.aborted) {
         this.reportFailure(error);
@@ -205,6 +229,7 @@ export class ThemistoService {
     }
   }
 
+  private _trans: TranslationBundle;
   private _settings: IThemistoSettings = { ...DEFAULT_SETTINGS };
   private _status: IStatus | null = null;
   private _nextCell = new Map<string, INextCellState>();
@@ -213,4 +238,11 @@ export class ThemistoService {
   private _settingsChanged = new Signal<this, IThemistoSettings>(this);
   private _statusChanged = new Signal<this, IStatus | null>(this);
   private _nextCellChanged = new Signal<this, INextCellState>(this);
+}
+
+export namespace ThemistoService {
+  export interface IOptions {
+    /** Translates the status line's messages (the default: none). */
+    translator?: ITranslator;
+  }
 }

@@ -1,5 +1,6 @@
 /**
- * The plugin's settings (schema/plugin.json) as a typed object, shared by every feature.
+ * The plugin's settings (schema/plugin.json) as a typed object, shared by every feature, and
+ * each notebook's own switches in its metadata.
  */
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { INotebookModel } from '@jupyterlab/notebook';
@@ -39,11 +40,30 @@ export function readSettings(settings: ISettingRegistry.ISettings | null): IThem
   return { ...DEFAULT_SETTINGS, ...composite };
 }
 
+/** The notebook's own switches: its metadata "themisto": {"record": …, "predict": …}. */
+interface INotebookSwitches {
+  record?: boolean;
+  predict?: boolean;
+}
+
+function notebookSwitches(model: INotebookModel | null | undefined): INotebookSwitches {
+  return (model?.getMetadata('themisto') as INotebookSwitches | undefined) ?? {};
+}
+
 /** The per-notebook switch: metadata "themisto": {"record": false} (or "predict": false) opts out. */
 export function notebookOptedOut(model: INotebookModel | null | undefined): boolean {
-  if (!model) {
-    return false;
-  }
-  const meta = model.getMetadata('themisto') as { record?: boolean; predict?: boolean } | undefined;
-  return !!meta && (meta.record === false || meta.predict === false);
+  const switches = notebookSwitches(model);
+  return switches.record === false || switches.predict === false;
+}
+
+/** Whether the notebook records (and so predicts): its "record" switch is not off. */
+export function notebookRecords(model: INotebookModel | null | undefined): boolean {
+  return notebookSwitches(model).record !== false;
+}
+
+/** Turn the notebook's "record" switch over, keeping the rest of its "themisto" metadata. */
+export function toggleNotebookRecording(model: INotebookModel): void {
+  const switches = { ...notebookSwitches(model) };
+  switches.record = switches.record === false;
+  model.setMetadata('themisto', switches);
 }

@@ -2,6 +2,12 @@
  * Message types crossing the wire between the plugin and the themisto server routes.
  */
 
+/**
+ * What a prediction is of, and the route that answers it (/themisto/predict/<task>): the
+ * server's `Task` (jupyter_themisto/backends/base.py).
+ */
+export type Task = 'next-cell' | 'output';
+
 /** A recorded trajectory (the store's dict). */
 export interface ITrajectory {
   id: string;

@@ -5,9 +5,11 @@
 import { ICompletionProviderManager } from '@jupyterlab/completer';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { Cell, ICodeCellModel } from '@jupyterlab/cells';
+import { ITranslator } from '@jupyterlab/translation';
 import { CommandRegistry } from '@lumino/commands';
 
-import { requestJSON } from '../common/handler';
+import { predictRoute } from '../common/predict';
+import { requestJSON } from '../common/request';
 import { ThemistoService } from '../common/service';
 import { NextCellProvider } from './provider';
 
@@ -32,8 +34,10 @@ export function activateNextCell(
   service: ThemistoService,
   manager: ICompletionProviderManager,
   tracker: INotebookTracker,
-  commands: CommandRegistry
+  commands: CommandRegistry,
+  translator: ITranslator
 ): NextCellProvider {
+  const trans = translator.load('jupyter_themisto');
   const provider = new NextCellProvider({ service });
   manager.registerInlineProvider(provider);
 
@@ -114,7 +118,7 @@ export function activateNextCell(
         break;
       }
     }
-    await requestJSON('predict/next-cell', { method: 'POST', body: JSON.stringify(request) });
+    await requestJSON(predictRoute('next-cell'), { method: 'POST', body: JSON.stringify(request) });
   };
 
   NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
@@ -149,8 +153,9 @@ export function activateNextCell(
   });
 
   commands.addCommand(SUGGEST_COMMAND, {
-    label: 'Themisto: Suggest the Next Cell',
-    caption: 'Show the predicted next cell as ghost text in the active empty cell',
+    label: trans.__('Themisto: Suggest the Next Cell'),
+    caption: trans.__('Show the predicted next cell as ghost text in the active empty cell'),
+    describedBy: { args: { type: 'object', properties: {} } },
     isEnabled: () => !!tracker.currentWidget,
     execute: () => {
       const panel = tracker.currentWidget;

@@ -4,10 +4,11 @@
  */
 import { Cell, CodeCell } from '@jupyterlab/cells';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
+import { ITranslator, TranslationBundle } from '@jupyterlab/translation';
 import { CommandRegistry } from '@lumino/commands';
 import { PanelLayout, Widget } from '@lumino/widgets';
 
-import { streamPrediction } from '../common/handler';
+import { streamPrediction } from '../common/predict';
 import { ThemistoService } from '../common/service';
 import { outputsMatch, outputsText, PredictedOutput, PredictionBadge } from './predicted';
 
@@ -20,8 +21,9 @@ interface ICellPrediction {
 }
 
 export class OutputPredictions {
-  constructor(service: ThemistoService) {
+  constructor(service: ThemistoService, trans: TranslationBundle) {
     this._service = service;
+    this._trans = trans;
     NotebookActions.executionScheduled.connect((_, { cell }) => this._onScheduled(cell));
     NotebookActions.executed.connect((_, { cell }) => this._onExecuted(cell));
   }
@@ -36,7 +38,7 @@ export class OutputPredictions {
       return;
     }
     this._clear(cell);
-    const widget = new PredictedOutput();
+    const widget = new PredictedOutput(this._trans);
     const controller = new AbortController();
     const entry: ICellPrediction = { widget, controller, source };
     this._predictions.set(cell, entry);
@@ -65,7 +67,7 @@ export class OutputPredictions {
         if (controller.signal.aborted) {
           this._service.setStatus({
             level: 'warning',
-            message: 'Output prediction cancelled or timed out.'
+            message: this._trans.__('Output prediction cancelled or timed out.')
           });
         } else {
           this._service.reportFailure(error);
@@ -96,7 +98,7 @@ export class OutputPredictions {
       return;
     }
     const actual = outputsText(cell.model.outputs.toJSON());
-    const badge = new PredictionBadge(outputsMatch(predicted, actual), predicted);
+    const badge = new PredictionBadge(outputsMatch(predicted, actual), predicted, this._trans);
     this._badges.set(cell, badge);
     // Under the real output, which now stands where the prediction was.
     (cell.layout as PanelLayout).addWidget(badge);
@@ -125,6 +127,7 @@ export class OutputPredictions {
   }
 
   private _service: ThemistoService;
+  private _trans: TranslationBundle;
   private _predictions = new Map<Cell, ICellPrediction>();
   private _badges = new Map<Cell, Widget>();
 }
@@ -132,20 +135,24 @@ export class OutputPredictions {
 export function activateOutputPrediction(
   service: ThemistoService,
   tracker: INotebookTracker,
-  commands: CommandRegistry
+  commands: CommandRegistry,
+  translator: ITranslator
 ): OutputPredictions {
-  const predictions = new OutputPredictions(service);
-  commands.addCommand(PREDICT_OUTPUT_COMMAND, {
-    label: 'Themisto: Predict the Output of the Active Cell',
-    caption: 'Show a dimmed predicted output under the active cell before it runs',
-    isEnabled: () => !!tracker.currentWidget?.content.activeCell,
-    execute: () => {
-      const panel = tracker.currentWidget;
-      const cell = panel?.content.activeCell;
-      if (panel && cell) {
-        predictions.predict(panel, cell);
-      }
+  const trans = translator.load('jupyter_themisto');
+  const predictions = new OutputPredictions(service, trans);
+  const predictActive = () => {
+    const panel = tracker.currentWidget;
+    const cell = panel?.content.activeCell;
+    if (panel && cell) {
+      predictions.predict(panel, cell);
     }
+  };
+  commands.addCommand(PREDICT_OUTPUT_COMMAND, {
+    label: trans.__('Themisto: Predict the Output of the Active Cell'),
+    caption: trans.__('Show a dimmed predicted output under the active cell before it runs'),
+    describedBy: { args: { type: 'object', properties: {} } },
+    isEnabled: () => !!tracker.currentWidget?.content.activeCell,
+    execute: predictActive
   });
 
   // Automatic mode: predict when a code cell with source becomes active, and after edits settle.
@@ -156,16 +163,7 @@ export function activateOutputPrediction(
     if (!settings.predictOutputs) {
       return;
     }
-    timer = window.setTimeout(
-      () => {
-        const panel = tracker.currentWidget;
-        const cell = panel?.content.activeCell;
-        if (panel && cell) {
-          predictions.predict(panel, cell);
-        }
-      },
-      Math.max(settings.debounceMs, 400)
-    );
+    timer = window.setTimeout(predictActive, Math.max(settings.debounceMs, 400));
   };
   let watched: Cell | null = null;
   tracker.activeCellChanged.connect((_, cell) => {

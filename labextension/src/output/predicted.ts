@@ -3,6 +3,7 @@
  * cell really runs, saying whether the prediction matched.
  */
 import * as nbformat from '@jupyterlab/nbformat';
+import { TranslationBundle } from '@jupyterlab/translation';
 import { PartialJSONObject } from '@lumino/coreutils';
 import { Widget } from '@lumino/widgets';
 
@@ -44,8 +45,9 @@ export function outputsMatch(predicted: string, actual: string): boolean {
 
 /** The dimmed area showing a streamed output prediction. */
 export class PredictedOutput extends Widget {
-  constructor() {
+  constructor(trans: TranslationBundle) {
     super();
+    this._trans = trans;
     this.addClass('jp-ThemistoPredictedOutput');
     this._label = document.createElement('div');
     this._label.className = 'jp-ThemistoPredictedOutput-label';
@@ -66,16 +68,18 @@ export class PredictedOutput extends Widget {
 
   setState(state: 'pending' | 'streaming' | 'done' | 'none' | 'failed', detail = ''): void {
     this.node.dataset.state = state;
+    const trans = this._trans;
     const what = {
-      pending: 'Predicting output…',
-      streaming: 'Predicted output (streaming)',
-      done: 'Predicted output',
-      none: 'No output prediction',
-      failed: 'Output prediction failed'
+      pending: trans.__('Predicting output…'),
+      streaming: trans.__('Predicted output (streaming)'),
+      done: trans.__('Predicted output'),
+      none: trans.__('No output prediction'),
+      failed: trans.__('Output prediction failed')
     }[state];
     this._label.textContent = detail ? `${what} · ${detail}` : what;
   }
 
+  private _trans: TranslationBundle;
   private _label: HTMLDivElement;
   private _text: HTMLPreElement;
   private _value = '';
@@ -83,12 +87,14 @@ export class PredictedOutput extends Widget {
 
 /** The small badge left after the real output arrives. */
 export class PredictionBadge extends Widget {
-  constructor(matched: boolean, predicted: string) {
+  constructor(matched: boolean, predicted: string, trans: TranslationBundle) {
     super();
     this.addClass('jp-ThemistoPredictionBadge');
     this.addClass(matched ? 'jp-mod-matched' : 'jp-mod-differed');
     this.node.dataset.matched = String(matched);
-    this.node.textContent = matched ? '✓ prediction matched' : '✗ prediction differed';
-    this.node.title = `Predicted output:\n${predicted}`;
+    this.node.textContent = matched
+      ? trans.__('✓ prediction matched')
+      : trans.__('✗ prediction differed');
+    this.node.title = `${trans.__('Predicted output:')}\n${predicted}`;
   }
 }

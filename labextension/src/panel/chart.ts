@@ -1,6 +1,8 @@
 /**
  * A small plain-SVG chart of wall time (bars) and memory (line) across a trajectory.
  */
+import { TranslationBundle } from '@jupyterlab/translation';
+
 import { IExecution } from '../common/types';
 
 const SVG = 'http://www.w3.org/2000/svg';
@@ -27,7 +29,12 @@ export function formatBytes(bytes: number | null): string {
   return `${(bytes / (1024 * 1024)).toFixed(1)} MB`;
 }
 
-export function renderChart(executions: IExecution[], width = 260, height = 90): SVGElement {
+export function renderChart(
+  executions: IExecution[],
+  trans: TranslationBundle,
+  width = 260,
+  height = 90
+): SVGElement {
   const svg = el('svg', {
     class: 'jp-ThemistoChart',
     width: '100%',
@@ -37,7 +44,7 @@ export function renderChart(executions: IExecution[], width = 260, height = 90):
     role: 'img'
   });
   const title = el('title', {});
-  title.textContent = 'Wall time (bars) and memory after each execution (line)';
+  title.textContent = trans.__('Wall time (bars) and memory after each execution (line)');
   svg.appendChild(title);
   if (!executions.length) {
     return svg;

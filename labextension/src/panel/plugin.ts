@@ -4,6 +4,7 @@
  */
 import { ILabShell, JupyterFrontEnd } from '@jupyterlab/application';
 import { INotebookTracker, NotebookActions } from '@jupyterlab/notebook';
+import { ITranslator } from '@jupyterlab/translation';
 import { LabIcon } from '@jupyterlab/ui-components';
 
 import { ThemistoService } from '../common/service';
@@ -20,11 +21,14 @@ export const themistoIcon = new LabIcon({ name: 'jupyter-themisto:icon', svgstr:
 export function activatePanel(
   app: JupyterFrontEnd,
   service: ThemistoService,
-  tracker: INotebookTracker
+  tracker: INotebookTracker,
+  translator: ITranslator
 ): ThemistoPanel {
+  const trans = translator.load('jupyter_themisto');
   const panel = new ThemistoPanel({
     service,
-    getNotebook: () => tracker.currentWidget
+    getNotebook: () => tracker.currentWidget,
+    translator
   });
   panel.title.icon = themistoIcon;
   app.shell.add(panel, 'right', { rank: 900 });
@@ -41,7 +45,8 @@ export function activatePanel(
   });
 
   app.commands.addCommand(TOGGLE_PANEL_COMMAND, {
-    label: 'Themisto: Show the Suggestions and Trajectory Panel',
+    label: trans.__('Themisto: Show the Suggestions and Trajectory Panel'),
+    describedBy: { args: { type: 'object', properties: {} } },
     execute: () => {
       const shell = app.shell as ILabShell;
       if (panel.isVisible && shell.collapseRight) {

@@ -7,7 +7,8 @@
  * THEMISTO_TEST_SERVER_TOKEN and THEMISTO_TEST_MODEL_PORT (the port its backend calls).
  */
 import { IPredictionResult, IPredictRequest } from '../types';
-import { streamPrediction, ThemistoError } from '../handler';
+import { ThemistoError } from '../errors';
+import { streamPrediction } from '../predict';
 import {
   connectionTo,
   gate,

@@ -3,8 +3,10 @@
  * format (jupyter_themisto/server/handlers.py) and can produce what a real server rarely does:
  * events cut anywhere, multi-line data, comments, a malformed event, a connection left open.
  */
-import { PredictEvent, IPredictionResult } from '../types';
-import { readEvents, streamPrediction, ThemistoError } from '../handler';
+import { PredictEvent, IPredictionResult, Task } from '../types';
+import { ThemistoError } from '../errors';
+import { streamPrediction } from '../predict';
+import { readEvents } from '../sse';
 import {
   connectionTo,
   gate,
@@ -125,7 +127,7 @@ describe('streamPrediction over HTTP', () => {
   afterEach(() => expect(server.errors).toEqual([]));
 
   function predict(
-    task: 'next-cell' | 'output',
+    task: Task,
     signal: AbortSignal = new AbortController().signal,
     onUpdate?: (result: IPredictionResult) => void
   ): Promise<IPredictionResult> {
