@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import multiprocessing
+import os
 import sqlite3
 
 import pytest
@@ -17,6 +18,15 @@ def test_new_store_is_migrated_and_in_wal_mode(store_path):
     conn = sqlite3.connect(store_path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == 1024
+    conn.close()
+    # A large write grows the WAL; once checkpointed it shrinks back to its limit (1 MiB).
+    store.put_blob(os.urandom(3 << 20))
+    wal = store_path.with_name(store_path.name + "-wal")
+    assert wal.stat().st_size > 3 << 20
+    store._conn().execute("PRAGMA wal_checkpoint(PASSIVE)")
+    store.create_trajectory()  # the next write starts the WAL over, and truncates it
+    assert wal.stat().st_size <= (1 << 20) + 64 * 1024
     store.close()
 
 
@@ -302,6 +312,7 @@ def test_a_store_of_schema_4_opens_migrates_and_reads_the_same(store_path):
         assert read(store) == before
         conn = store._conn()
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == 4096  # its own, kept
         assert conn.execute("SELECT count(*) FROM variable_records").fetchone()[0] == 2
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert conn.execute("PRAGMA foreign_key_check").fetchall() == []

@@ -26,6 +26,12 @@ STORE_ENV = "THEMISTO_STORE"
 _COMPRESS_MIN = 64
 # Outputs JSON shorter than this stays plain text (readable with the sqlite3 shell).
 _COMPRESS_OUTPUTS_MIN = 256
+# Pages of a new store. Most of what a store holds is small rows (executions, variable records)
+# and blobs in overflow chains: with 4096-byte pages an empty table costs 4 kB, a cell's
+# commit appends several 4 kB pages to the WAL, and a nearly empty store (one per notebook in a
+# benchmark) is mostly unused page space.
+_PAGE_SIZE = 1024
+_WAL_LIMIT = 1 << 20
 # Bound parameters per statement (SQLite's default limit is 999 before 3.32).
 _SQL_VARIABLES = 500
 _ZSTD_LEVEL = 3
@@ -122,7 +128,12 @@ class TrajectoryStore:
                     conn = sqlite3.connect(
                         str(self.path), timeout=self._timeout, isolation_level=None
                     )
+                    # A new database only (an existing one keeps its own); see _PAGE_SIZE.
+                    conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
                     conn.execute("PRAGMA journal_mode=WAL")
+                    # Once checkpointed, the WAL shrinks back to this (else it stays as large
+                    # as the largest it ever was: a big blob's write, on disk until the end).
+                    conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
                     conn.execute("PRAGMA synchronous=NORMAL")
                     # Zero what a write frees within a page (no extra I/O): text moved by a
                     # page split leaves no copy behind for a later secret scrub to miss.
