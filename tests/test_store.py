@@ -321,3 +321,21 @@ def test_a_store_of_schema_4_opens_migrates_and_reads_the_same(store_path):
         store.write_snapshot(eid, [dict(v, changed=False) for v in before[1][0]])
         assert conn.execute("SELECT count(*) FROM variable_records").fetchone()[0] == 2
         assert store.get_variables(eid) == [dict(before[1][0][0], snapshot_id=4, changed=False)]
+
+
+def test_pauses_and_resumes_are_noted_on_the_trajectory(store):
+    tid = store.create_trajectory()
+    fresh = store.get_trajectory(tid)
+    assert (fresh["paused_at"], fresh["paused_after"], fresh["unrecorded_through"]) == (None,) * 3
+    store.note_recording(tid, paused=True, execution_count=4)
+    store.note_recording(tid, paused=True, execution_count=6)  # paused already: the first stays
+    t = store.get_trajectory(tid)
+    assert t["paused_at"] is not None and t["paused_after"] == 4
+    store.note_recording(tid, paused=False, execution_count=9)
+    store.note_recording(tid, paused=False, execution_count=7)  # never moves back
+    t = store.get_trajectory(tid)
+    assert (t["paused_at"], t["paused_after"], t["unrecorded_through"]) == (None, None, 9)
+    store.note_recording(tid, paused=True, execution_count=None)  # a count unknown
+    t = store.get_trajectory(tid)
+    assert t["paused_at"] is not None and t["paused_after"] is None
+    assert t["unrecorded_through"] == 9

@@ -136,6 +136,15 @@ MIGRATIONS: list[str] = [
             r.stub_reason, sv.changed
         FROM snapshot_variables sv JOIN variable_records r ON r.id = sv.record_id;
     """,
+    # 5 -> 6: the recorder notes a pause (`%themisto off`: since when, and the execution count
+    # of the cell that paused: it is recorded, those after it are not) and the end of one (the
+    # count of the cell that resumed: it and those before it that are missing ran unrecorded),
+    # so that the server need not wait for executions that never come.
+    """
+    ALTER TABLE trajectories ADD COLUMN paused_at REAL;
+    ALTER TABLE trajectories ADD COLUMN paused_after INTEGER;
+    ALTER TABLE trajectories ADD COLUMN unrecorded_through INTEGER;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -221,6 +221,29 @@ class TrajectoryStore:
                 f"UPDATE trajectories SET {sets} WHERE id = ?", (*fields.values(), trajectory_id)
             )
 
+    def note_recording(
+        self, trajectory_id: str, *, paused: bool, execution_count: int | None = None
+    ) -> None:
+        """The recorder paused or resumed recording a trajectory in the cell `execution_count`.
+        Pausing sets `paused_at` (the time) and `paused_after` (that cell is recorded, later
+        ones are not); resuming clears them and sets `unrecorded_through` (that cell and the
+        ones before it that are not recorded never will be)."""
+        with self._write() as conn:
+            if paused:
+                conn.execute(
+                    "UPDATE trajectories SET paused_after = CASE WHEN paused_at IS NULL"
+                    " THEN ? ELSE paused_after END, paused_at = coalesce(paused_at, ?)"
+                    " WHERE id = ?",
+                    (execution_count, time.time(), trajectory_id),
+                )
+            else:
+                conn.execute(
+                    "UPDATE trajectories SET paused_at = NULL, paused_after = NULL,"
+                    " unrecorded_through = nullif(max(coalesce(unrecorded_through, -1),"
+                    " coalesce(?, -1)), -1) WHERE id = ?",
+                    (execution_count, trajectory_id),
+                )
+
     def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
         row = (
             self._conn()
