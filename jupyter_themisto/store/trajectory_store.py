@@ -534,7 +534,8 @@ class TrajectoryStore:
             if replace_failed:
                 conn.execute(
                     "DELETE FROM snapshots WHERE execution_id = ? AND status = 'failed' AND NOT"
-                    " EXISTS (SELECT 1 FROM variables v WHERE v.snapshot_id = snapshots.id)",
+                    " EXISTS (SELECT 1 FROM snapshot_variables v"
+                    " WHERE v.snapshot_id = snapshots.id)",
                     (execution_id,),
                 )
             cur = conn.execute(
