@@ -385,6 +385,12 @@ def test_a_variable_record_shared_by_snapshots_is_scrubbed_in_each(tmp_path):
     for n in range(3):
         eids.append(store.add_execution(tid, {"source": f"n = {n}", "status": "ok"}))
         store.write_snapshot(eids[-1], [dict(held, changed=n == 0), other])
+    # A long output is stored compressed: scrubbed all the same.
+    text = "".join(f"row {i}: {late if i == 37 else 'fine'}\n" for i in range(200))
+    out = [{"output_type": "stream", "name": "stdout", "text": text}]
+    printed = store.add_execution(tid, {"source": "print(rows)", "status": "ok", "outputs": out})
+    sql = "SELECT typeof(outputs) FROM executions WHERE id = ?"
+    assert store._conn().execute(sql, [printed]).fetchone()[0] == "blob"
     ks = KernelSecrets()
     ks.observe({"val": late, "secret_later": late}, "secret_later = val")
     store.add_execution(tid, {"source": "secret_later = val", "status": "ok"})
@@ -393,6 +399,8 @@ def test_a_variable_record_shared_by_snapshots_is_scrubbed_in_each(tmp_path):
         by_name = {v["name"]: v for v in store.get_variables(eid)}
         assert by_name["val"]["stub_reason"] == SECRET_VALUE_REASON
         assert by_name["val"]["blob_hash"] is None and by_name["n"]["summary"] == {"repr": "3"}
+    scrubbed = store.get_execution(printed)["outputs"][0]["text"]
+    assert late not in scrubbed and REDACTED in scrubbed and "row 199: fine" in scrubbed
     records = store._conn().execute("SELECT name FROM variable_records ORDER BY name").fetchall()
     assert [r[0] for r in records] == ["n", "val"]  # the stub, once; the old record gone
     assert not store.has_blob(blob)
