@@ -186,23 +186,84 @@ def store_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
 
 
-def storage_breakdown(conn: sqlite3.Connection) -> dict[str, int]:
-    """Bytes of the namespace snapshots (variable rows and their blobs) apart from the
-    executions' own (sources, outputs and the images they reference)."""
-    one = lambda sql: conn.execute(sql).fetchone()[0] or 0  # noqa: E731
-    variable_blobs = one(
-        "SELECT sum(stored_size) FROM blobs WHERE hash IN (SELECT blob_hash FROM variables)"
-    )
+def store_parts(path: Path) -> dict[str, int]:
+    """Where a closed store's bytes are, by part, summing to its files' size (`store_bytes`).
+
+    Files: the database, its WAL and shared-memory index (`-wal`, `-shm`: absent once the last
+    connection closed cleanly), the secrets key (`.key`). Inside the database (SQLite's `dbstat`
+    table, as `sqlite3_analyzer` reads it): the pages of each table and index, the free pages and
+    the header page; `executions` split again into its sources and outputs (their share of the
+    table's payload) and the blobs into those of variables and those of outputs (images)."""
+    parts: dict[str, int] = {}
+    for p in path.parent.glob(path.name + "*"):
+        if p.is_file():
+            suffix = p.name[len(path.name) :] or "db"
+            parts[f"file {suffix}"] = p.stat().st_size
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        one = lambda sql: conn.execute(sql).fetchone()[0] or 0  # noqa: E731
+        page = one("PRAGMA page_size")
+        parts["db free pages"] = one("PRAGMA freelist_count") * page
+        tables = {
+            name: (pages, payload)
+            for name, pages, payload in conn.execute(
+                "SELECT name, sum(pgsize), sum(payload) FROM dbstat GROUP BY name"
+            )
+        }
+        blob_tables = {"blobs"}
+        for name, (pages, _) in tables.items():
+            if name not in blob_tables and name != "executions":
+                parts[f"db {name}"] = pages
+        if "executions" in tables:
+            pages, payload = tables["executions"]
+            text = one("SELECT sum(length(CAST(source AS BLOB))) FROM executions")
+            outs = one("SELECT sum(length(CAST(outputs AS BLOB))) FROM executions")
+            share = lambda n: round(pages * n / payload) if payload else 0  # noqa: E731
+            parts["db executions: sources"] = share(text)
+            parts["db executions: outputs"] = share(outs)
+            parts["db executions: other columns"] = pages - share(text) - share(outs)
+        if "blobs" in tables:
+            pages, payload = tables["blobs"]
+            var_sql = "(SELECT blob_hash FROM variables)"
+            var = one(f"SELECT sum(length(data)) FROM blobs WHERE hash IN {var_sql}")
+            share = round(pages * var / payload) if payload else 0
+            parts["db blobs: variables"] = share
+            parts["db blobs: outputs"] = pages - share
+        accounted = sum(v for k, v in parts.items() if k.startswith("db "))
+        parts["db header and pointer-map pages"] = parts.get("file db", 0) - accounted
+    finally:
+        conn.close()
+    return parts
+
+
+def storage_breakdown(parts: dict[str, int]) -> dict[str, int]:
+    """Bytes of the namespace snapshots (their tables, indexes and the variables' blobs) apart
+    from the executions' sources and outputs (with the images they reference), from
+    `store_parts`."""
+    snapshot_tables = ("variable", "snapshot")  # variables, variable_records, snapshot_...
     return {
-        "snapshot_bytes": variable_blobs
-        + one(
-            "SELECT sum(length(name) + length(type) + length(summary) + coalesce(length("
-            "fingerprint), 0) + coalesce(length(stub_reason), 0) + 40) FROM variables"
+        "snapshot_bytes": sum(
+            v
+            for k, v in parts.items()
+            if k == "db blobs: variables"
+            or (k.startswith("db ") and any(t in k for t in snapshot_tables))
         ),
-        "output_bytes": one("SELECT sum(length(outputs) + length(source)) FROM executions")
-        + one("SELECT sum(stored_size) FROM blobs")
-        - variable_blobs,
+        "output_bytes": sum(
+            parts.get(k, 0)
+            for k in ("db executions: sources", "db executions: outputs", "db blobs: outputs")
+        ),
     }
+
+
+def kishu_parts(run_dir: Path, notebook_copy: Path) -> dict[str, int]:
+    """Kishu's files under its root (KISHU_PATH_ROOT), by folder; not the notebook copy."""
+    parts: dict[str, int] = {}
+    for p in run_dir.rglob("*"):
+        if p.is_file() and p != notebook_copy:
+            rel = p.relative_to(run_dir).parts
+            key = rel[0] + (f"/…/*{p.suffix}" if len(rel) > 1 else "")
+            parts[key] = parts.get(key, 0) + p.stat().st_size
+    return parts
 
 
 def empty_store_bytes() -> int:
@@ -255,6 +316,13 @@ def run_notebook(
     finally:
         kernel.shutdown()
     if mode == "on":
+        # As the killed kernel left them (a WAL not yet checkpointed, its -shm index): what the
+        # next opening of the store checkpoints away.
+        result["left_by_kernel"] = {
+            p.name[len(store.name) :] or "db": p.stat().st_size
+            for p in store.parent.glob(store.name + "*")
+            if p.is_file()
+        }
         conn = sqlite3.connect(store)
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         recorded = {
@@ -266,12 +334,13 @@ def run_notebook(
         result["snapshot_statuses"] = dict(
             conn.execute("SELECT snapshot_status, count(*) FROM executions GROUP BY 1").fetchall()
         )
-        result["breakdown"] = storage_breakdown(conn)
         conn.close()
         result["stored_bytes"] = store_bytes(store)
+        result["parts"] = store_parts(store)
+        result["breakdown"] = storage_breakdown(result["parts"])
     if mode == "kishu":
-        files = [p for p in run_dir.rglob("*") if p.is_file() and "kishu" in str(p).lower()]
-        result["stored_bytes"] = sum(p.stat().st_size for p in files)
+        result["parts"] = kishu_parts(run_dir, kishu_nb)
+        result["stored_bytes"] = sum(result["parts"].values())
     shutil.rmtree(run_dir, ignore_errors=True)
     return result
 
@@ -430,6 +499,11 @@ def report(raw: dict[str, Any], modes: list[str], send: str) -> None:
         ("on", "kishu", "on_with_kishu", "snapshots_with_kishu", "stores_with_kishu"), 0
     )
     parts = {"snapshot_bytes": 0, "output_bytes": 0}
+    # Bytes by part (store_parts, kishu_parts) over the notebooks both ran; what the killed
+    # kernels left on disk (WAL and -shm included) before the store was next opened.
+    on_parts: dict[str, int] = {}
+    kishu_parts_sum: dict[str, int] = {}
+    left: dict[str, int] = {}
     for name, by_send in raw.items():
         by_mode = by_send.get(send, {})
         if "off" not in by_mode:
@@ -479,12 +553,18 @@ def report(raw: dict[str, Any], modes: list[str], send: str) -> None:
                     parts[k] += r.get("breakdown", {}).get(k, 0)
                 if "kishu" in by_mode:
                     stored["on_with_kishu"] += r["stored_bytes"]
+                    for k, v in r.get("parts", {}).items():
+                        on_parts[k] = on_parts.get(k, 0) + v
+                    for k, v in r.get("left_by_kernel", {}).items():
+                        left[k] = left.get(k, 0) + v
                     stored["stores_with_kishu"] += 1
                     stored["snapshots_with_kishu"] += r.get("breakdown", {}).get(
                         "snapshot_bytes", 0
                     )
             if mode == "kishu":
                 stored["kishu"] += runs[0]["stored_bytes"]
+                for k, v in runs[0].get("parts", {}).items():
+                    kishu_parts_sum[k] = kishu_parts_sum.get(k, 0) + v
                 if runs[0].get("setup_error"):
                     line += f" (kishu init: {runs[0]['setup_error'][:60]})"
         print(line)
@@ -528,6 +608,28 @@ def report(raw: dict[str, Any], modes: list[str], send: str) -> None:
             f"notebook's run starts with: {stored['kishu'] / max(1, data):.1f}x), "
             f"{stored['snapshots_with_kishu'] / 1e6:.2f} MB of it snapshots "
             f"(Kishu/snapshots = {snap_ratio:.1f}x)"
+        )
+        n = stored["stores_with_kishu"]
+        one_store = stored["on_with_kishu"] - (n - 1) * empty_store_bytes() if n else 0
+        print(
+            f"  on    as one store (a person's: the {n} stores less {n - 1} empty schemas): "
+            f"{one_store / 1e6:.3f} MB (Kishu/recorder = "
+            f"{stored['kishu'] / max(1, one_store):.1f}x)"
+        )
+    for title, table in (
+        ("recorder (files after the store was next opened and closed)", on_parts),
+        ("kishu (its folder, not the notebook)", kishu_parts_sum),
+    ):
+        if not table:
+            continue
+        total = sum(v for k, v in table.items() if not k.startswith("db ")) or 1
+        print(f"  {title}, {total / 1e6:.3f} MB on the notebooks both ran:")
+        for k, v in sorted(table.items(), key=lambda kv: -kv[1]):
+            print(f"    {k:40s} {v / 1e3:10.1f} kB {v / total * 100:6.1f} %")
+    if left:
+        print(
+            "  recorder files as the killed kernels left them: "
+            + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in sorted(left.items()))
         )
     print(
         "  targets: median added <= 2 ms, p95 <= 10 ms, whole run <= +5 % back to back; "

@@ -371,6 +371,44 @@ def test_a_value_learnt_late_is_scrubbed_from_earlier_rows_and_the_file(tmp_path
         assert late.encode() not in f.read_bytes(), f.name
 
 
+def test_a_variable_record_shared_by_snapshots_is_scrubbed_in_each(tmp_path):
+    # Snapshots holding a variable unchanged share its one record (store schema 5): a value
+    # learnt late leaves none of them, and the record is gone from the file.
+    path = tmp_path / "t.sqlite"
+    store = TrajectoryStore(path)
+    tid = store.create_trajectory()
+    late = "late-planted-value-0011"
+    blob = store.put_blob(pickle.dumps(late))
+    held = {"name": "val", "type": "str", "summary": {"repr": repr(late)}, "blob_hash": blob}
+    other = {"name": "n", "type": "int", "summary": {"repr": "3"}}
+    eids = []
+    for n in range(3):
+        eids.append(store.add_execution(tid, {"source": f"n = {n}", "status": "ok"}))
+        store.write_snapshot(eids[-1], [dict(held, changed=n == 0), other])
+    # A long output is stored compressed: scrubbed all the same.
+    text = "".join(f"row {i}: {late if i == 37 else 'fine'}\n" for i in range(200))
+    out = [{"output_type": "stream", "name": "stdout", "text": text}]
+    printed = store.add_execution(tid, {"source": "print(rows)", "status": "ok", "outputs": out})
+    sql = "SELECT typeof(outputs) FROM executions WHERE id = ?"
+    assert store._conn().execute(sql, [printed]).fetchone()[0] == "blob"
+    ks = KernelSecrets()
+    ks.observe({"val": late, "secret_later": late}, "secret_later = val")
+    store.add_execution(tid, {"source": "secret_later = val", "status": "ok"})
+    ks.persist(store, tid)
+    for eid in eids:
+        by_name = {v["name"]: v for v in store.get_variables(eid)}
+        assert by_name["val"]["stub_reason"] == SECRET_VALUE_REASON
+        assert by_name["val"]["blob_hash"] is None and by_name["n"]["summary"] == {"repr": "3"}
+    scrubbed = store.get_execution(printed)["outputs"][0]["text"]
+    assert late not in scrubbed and REDACTED in scrubbed and "row 199: fine" in scrubbed
+    records = store._conn().execute("SELECT name FROM variable_records ORDER BY name").fetchall()
+    assert [r[0] for r in records] == ["n", "val"]  # the stub, once; the old record gone
+    assert not store.has_blob(blob)
+    store.close()
+    for f in tmp_path.iterdir():
+        assert late.encode() not in f.read_bytes(), f.name
+
+
 def test_json_values_under_secret_keys_are_replaced_not_learnt():
     ks = KernelSecrets()
     outputs = [

@@ -187,6 +187,61 @@ async def test_an_execution_that_never_comes_is_a_bounded_404(jp_fetch, store, k
 
 
 @pytest.mark.parametrize("execution_wait", [600.0])
+async def test_a_paused_recorder_is_not_waited_for(jp_fetch, store, kernel):
+    """`%themisto off` is noted in the store (and `on` after it): a request that follows an
+    execution run while paused is answered at once (a wait of 600 s would outlast the request's
+    own timeout) with a 404 that says so; recorded ones are answered as before."""
+
+    async def refused(after: int) -> str:
+        body = {"kernel_id": kernel_id, "n": 1, "after_execution_count": after}
+        code, msg = await error_of(
+            jp_fetch("themisto", "predict", "next-cell", method="POST", body=json.dumps(body))
+        )
+        assert code == 404, msg
+        return msg
+
+    async with kernel() as (kernel_id, kc):
+        first = await run(kc, HISTORY[0])
+        tid = store.latest_trajectory_for_kernel(kernel_id)["id"]
+        await wait_for(lambda: store.last_execution_count(tid) == first)
+        assert store.get_trajectory(tid)["paused_at"] is None
+        # The cell that pauses is recorded (it began while recording): it is waited for.
+        off = await run(kc, "%themisto off")
+        events = await next_cell(
+            jp_fetch, {"kernel_id": kernel_id, "n": 1, "after_execution_count": off}
+        )
+        assert events[0][0] == "meta" and events[-1][0] == "done"
+        assert store.last_execution_count(tid) == off
+        # Asked the moment the kernel answers, as the browser does.
+        paused = await run(kc, HISTORY[1])
+        msg = await refused(paused)
+        assert f"recording is paused in kernel {kernel_id!r}" in msg and "%themisto on" in msg
+        assert f"execution {paused} is not recorded" in msg
+        assert f"the latest recorded is execution {off}" in msg
+        noted = store.get_trajectory(tid)
+        assert noted["paused_at"] is not None and noted["paused_after"] == off
+
+        on = await run(kc, "%themisto on")
+        for after in (on, paused):
+            msg = await refused(after)
+            assert (
+                f"execution {after} of kernel {kernel_id!r} ran while recording was paused" in msg
+            )
+        trajectory = store.get_trajectory(tid)
+        assert trajectory["paused_at"] is None and trajectory["paused_after"] is None
+        assert trajectory["unrecorded_through"] == on
+        # Recording again: the next execution is waited for and answered.
+        again = await run(kc, HISTORY[2])
+        events = await next_cell(
+            jp_fetch, {"kernel_id": kernel_id, "n": 1, "after_execution_count": again}
+        )
+        assert suggestion(events) == HISTORY[3]
+        assert store.last_execution_count(tid) == again
+        recorded = [e["source"] for e in store.list_executions(tid)]
+        assert recorded == [HISTORY[0], "%themisto off", HISTORY[2]]
+
+
+@pytest.mark.parametrize("execution_wait", [600.0])
 async def test_a_kernel_that_does_not_record_is_not_waited_for(
     jp_fetch, jp_serverapp, store, kernel
 ):

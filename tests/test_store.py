@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import multiprocessing
+import os
 import sqlite3
 
 import pytest
@@ -15,6 +18,15 @@ def test_new_store_is_migrated_and_in_wal_mode(store_path):
     conn = sqlite3.connect(store_path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == 1024
+    conn.close()
+    # A large write grows the WAL; once checkpointed it shrinks back to its limit (1 MiB).
+    store.put_blob(os.urandom(3 << 20))
+    wal = store_path.with_name(store_path.name + "-wal")
+    assert wal.stat().st_size > 3 << 20
+    store._conn().execute("PRAGMA wal_checkpoint(PASSIVE)")
+    store.create_trajectory()  # the next write starts the WAL over, and truncates it
+    assert wal.stat().st_size <= (1 << 20) + 64 * 1024
     store.close()
 
 
@@ -163,3 +175,167 @@ def test_pending_snapshots_of_dead_owners_are_swept_and_others_kept(store_path):
             p.kill()
             p.wait()
         store.close()
+
+
+DF_BLOB = blob_hash(b"the frame")
+
+
+def _snapshot(i: int) -> list[dict]:
+    """A namespace where `i` changes every time and the rest stays the same."""
+    return [
+        {"name": "df", "type": "pandas.DataFrame", "size": 4096, "summary": {"shape": [3, 2]},
+         "blob_hash": DF_BLOB, "fingerprint": "fp-df", "changed": i == 0},
+        {"name": "i", "type": "int", "size": 5, "summary": {"repr": str(i)}, "changed": True},
+        {"name": "s", "type": "socket.socket", "summary": {"repr": "<socket>"},
+         "stub_reason": "unpicklable: socket", "changed": i == 0},
+    ]  # fmt: skip
+
+
+def test_an_unchanged_variable_is_stored_once_however_many_snapshots_hold_it(store):
+    tid = store.create_trajectory()
+    assert store.put_blob(b"the frame") == DF_BLOB
+    ids = []
+    for i in range(40):
+        ids.append(store.add_execution(tid, {"source": f"i = {i}", "status": "ok"}))
+        store.write_snapshot(ids[-1], _snapshot(i), mode="inline")
+    conn = store._conn()
+    # df and s once, i once per value: not 3 rows per snapshot.
+    assert conn.execute("SELECT count(*) FROM variable_records").fetchone()[0] == 2 + 40
+    assert conn.execute("SELECT count(*) FROM snapshot_variables").fetchone()[0] == 3 * 40
+    for i, eid in enumerate(ids):
+        got = store.get_variables(eid)
+        want = sorted(_snapshot(i), key=lambda v: v["name"])
+        assert [{k: v[k] for k in w} for v, w in zip(got, want, strict=True)] == want
+        assert {v["snapshot_id"] for v in got} == {store.get_execution(eid)["snapshot_id"]}
+    assert store.variable_changes(tid) == {"df": 0, "i": 39, "s": 0}
+    assert store.latest_variables(tid)[1]["summary"] == {"repr": "39"}
+    # One name twice in a snapshot is refused and writes nothing.
+    extra = store.add_execution(tid, {"source": "x", "status": "ok"})
+    with pytest.raises(ValueError, match="twice"):
+        store.write_snapshot(extra, _snapshot(1) + [{"name": "i", "type": "float"}])
+    assert store.get_snapshot(extra) is None
+    assert store.get_execution(extra)["snapshot_status"] == "none"
+
+
+def test_outputs_come_back_exactly_and_long_ones_are_stored_compressed(store):
+    from jupyter_themisto import redaction
+    from jupyter_themisto.dump.writer import execution_rows
+    from jupyter_themisto.kernel.outputs import resolve_blob_refs
+
+    png = bytes(range(256)) * 40
+    digest = store.put_blob(png)
+    long_text = "".join(f'line {n}: ünïcødé 🐍 \\ " \t\n' for n in range(500))
+    cases = [
+        [],
+        [{"output_type": "stream", "name": "stdout", "text": "short\n"}],
+        [{"output_type": "stream", "name": "stdout", "text": long_text}],
+        [
+            {"output_type": "execute_result", "execution_count": 3, "metadata": {},
+             "data": {"text/plain": "x" * 300, "application/json": {"k": [1, 2.5, None]}}},
+            {"output_type": "display_data", "metadata": {"image/png": {"width": 40}},
+             "data": {"image/png": {"themisto_blob": digest, "bytes": len(png),
+                                    "encoding": "base64"}, "text/plain": "<Figure>"}},
+            {"output_type": "error", "ename": "E", "evalue": "v", "traceback": ["t"] * 100},
+        ],
+    ]  # fmt: skip
+    tid = store.create_trajectory()
+    ids = [
+        store.add_execution(tid, {"source": f"cell({n})\n" * 50, "status": "ok", "outputs": o})
+        for n, o in enumerate(cases)
+    ]
+    stored = dict(store._conn().execute("SELECT id, typeof(outputs) FROM executions"))
+    assert [stored[i] for i in ids] == ["text", "text", "blob", "blob"]
+    (packed,) = store._conn().execute("SELECT outputs FROM executions WHERE id = ?", ids[2:3])
+    assert len(packed[0]) < len(json.dumps(cases[2])) / 5
+    for eid, outputs, row in zip(ids, cases, store.list_executions(tid), strict=True):
+        assert row["outputs"] == outputs == store.get_execution(eid)["outputs"]
+    # The export gives what was recorded, byte for byte: the JSON text, and the image's
+    # base64 as the kernel sent it.
+    trajectory = store.get_trajectory(tid)
+    rows = list(execution_rows(store, trajectory, "none", None, redaction.StoreRedactor(store)))
+    for row, outputs in zip(rows, cases, strict=True):
+        assert row["outputs"] == json.dumps(outputs, ensure_ascii=False)
+        assert row["source"].startswith("cell(")
+    image = resolve_blob_refs(json.loads(rows[3]["outputs"])[1], store.get_blob)
+    assert image["data"]["image/png"] == base64.b64encode(png).decode("ascii")
+
+
+SCHEMA_4_ROWS = """
+INSERT INTO trajectories (id, notebook_path, started_at) VALUES ('t4', 'old.ipynb', 1.0);
+INSERT INTO executions (id, trajectory_id, order_index, source, outputs, status, snapshot_id,
+    snapshot_status) VALUES
+    (1, 't4', 0, 'a = 1', '[{"output_type": "stream", "name": "stdout", "text": "1\\n"}]',
+     'ok', 1, 'ok'),
+    (2, 't4', 1, 'b = 2', '[]', 'ok', 2, 'ok'),
+    (3, 't4', 2, 'a', '[]', 'ok', 3, 'unchanged');
+INSERT INTO snapshots (id, execution_id, status, mode, created_at) VALUES
+    (1, 1, 'ok', 'fork', 1.0), (2, 2, 'ok', 'fork', 2.0);
+INSERT INTO snapshots (id, execution_id, status, mode, created_at, same_as) VALUES
+    (3, 3, 'unchanged', NULL, 3.0, 2);
+INSERT INTO blobs (hash, size, stored_size, codec, data) VALUES ('h1', 3, 3, 'raw', x'010203');
+INSERT INTO variables (snapshot_id, name, type, size, summary, blob_hash, fingerprint,
+    stub_reason, changed) VALUES
+    (1, 'a', 'int', 3, '{"repr": "1"}', 'h1', 'f1', NULL, 1),
+    (2, 'a', 'int', 3, '{"repr": "1"}', 'h1', 'f1', NULL, 0),
+    (2, 'b', 'int', 3, '{"repr": "2"}', NULL, NULL, 'too large', 1);
+"""
+
+
+def test_a_store_of_schema_4_opens_migrates_and_reads_the_same(store_path):
+    from jupyter_themisto.store.schema import MIGRATIONS
+
+    store_path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(store_path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    for step in MIGRATIONS[:4]:
+        conn.executescript(step)
+    conn.executescript(SCHEMA_4_ROWS)
+    conn.execute("PRAGMA user_version = 4")
+    conn.close()
+
+    def read(store):
+        return (
+            store.list_executions("t4"),
+            [store.get_variables(e) for e in (1, 2, 3)],
+            store.variable_changes("t4"),
+            store.latest_variables("t4"),
+            store.snapshot_variables("t4", 2),
+        )
+
+    # Read-only (a server that does not migrate) reads the old layout...
+    with TrajectoryStore(store_path, readonly=True) as old:
+        before = read(old)
+    assert before[0][0]["outputs"][0]["text"] == "1\n"
+    assert [v["name"] for v in before[1][2]] == ["a", "b"]
+    # ... and a writer migrates it, keeping every row.
+    with TrajectoryStore(store_path) as store:
+        assert read(store) == before
+        conn = store._conn()
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("PRAGMA page_size").fetchone()[0] == 4096  # its own, kept
+        assert conn.execute("SELECT count(*) FROM variable_records").fetchone()[0] == 2
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        # New snapshots share the migrated records.
+        eid = store.add_execution("t4", {"source": "c = 3", "status": "ok"})
+        store.write_snapshot(eid, [dict(v, changed=False) for v in before[1][0]])
+        assert conn.execute("SELECT count(*) FROM variable_records").fetchone()[0] == 2
+        assert store.get_variables(eid) == [dict(before[1][0][0], snapshot_id=4, changed=False)]
+
+
+def test_pauses_and_resumes_are_noted_on_the_trajectory(store):
+    tid = store.create_trajectory()
+    fresh = store.get_trajectory(tid)
+    assert (fresh["paused_at"], fresh["paused_after"], fresh["unrecorded_through"]) == (None,) * 3
+    store.note_recording(tid, paused=True, execution_count=4)
+    store.note_recording(tid, paused=True, execution_count=6)  # paused already: the first stays
+    t = store.get_trajectory(tid)
+    assert t["paused_at"] is not None and t["paused_after"] == 4
+    store.note_recording(tid, paused=False, execution_count=9)
+    store.note_recording(tid, paused=False, execution_count=7)  # never moves back
+    t = store.get_trajectory(tid)
+    assert (t["paused_at"], t["paused_after"], t["unrecorded_through"]) == (None, None, 9)
+    store.note_recording(tid, paused=True, execution_count=None)  # a count unknown
+    t = store.get_trajectory(tid)
+    assert t["paused_at"] is not None and t["paused_after"] is None
+    assert t["unrecorded_through"] == 9

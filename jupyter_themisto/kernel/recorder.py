@@ -22,7 +22,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from traitlets import Bool, Enum, Float, Int, Unicode, default, validate
+from traitlets import Bool, Enum, Float, Int, Unicode, default, observe, validate
 from traitlets.config import LoggingConfigurable
 
 from ..redaction import DEFAULT_SECRET_PATTERN, KernelSecrets, compile_pattern, redact_source
@@ -144,6 +144,22 @@ class ThemistoRecorder(LoggingConfigurable):
     @default("enabled")
     def _enabled_default(self) -> bool:
         return os.environ.get(RECORD_ENV, "1").strip() != "0"
+
+    @observe("enabled")
+    def _enabled_changed(self, change: dict[str, Any]) -> None:
+        """`%themisto off` / `on`: note the pause (or its end) in the store, after everything
+        recorded before it, so that the server tells a paused recorder from a slow one."""
+        # (Set from configuration, it changes before __init__ has set these.)
+        tid = getattr(self, "trajectory_id", None)
+        writer = getattr(self, "writer", None)
+        if tid is None or writer is None or change["old"] == change["new"]:
+            return
+        paused = not change["new"]
+        # The running cell's count: IPython counts a cell before running it, and ipykernel
+        # replies with `execution_count - 1` likewise.
+        following = getattr(getattr(self, "shell", None), "execution_count", None)
+        count = following - 1 if isinstance(following, int) else None
+        writer.submit(lambda store: store.note_recording(tid, paused=paused, execution_count=count))
 
     @default("snapshot_mode")
     def _snapshot_mode_default(self) -> str:

@@ -49,7 +49,8 @@ class NotFound(LookupError):
 
 
 class NotRecorded(NotFound):
-    """The execution a request follows was not recorded within `execution_wait`: 404."""
+    """The execution a request follows is not recorded (within `execution_wait`, or never:
+    recording is paused): 404."""
 
 
 @dataclass
@@ -316,13 +317,25 @@ class ThemistoManager:
             wanted = req.after_execution_count
             if wanted is None or (last is not None and last >= wanted):
                 return trajectory
-            if time.monotonic() >= deadline:
-                of = (
-                    f"kernel {req.kernel_id!r}"
-                    if req.kernel_id
-                    else f"trajectory {trajectory['id']!r}"
+            of = (
+                f"kernel {req.kernel_id!r}" if req.kernel_id else f"trajectory {trajectory['id']!r}"
+            )
+            latest = "nothing" if last is None else f"execution {last}"
+            # The recorder's own notes (`%themisto off`/`on`): what will never come is not
+            # waited for.
+            after = trajectory.get("paused_after")
+            if trajectory.get("paused_at") is not None and (after is None or wanted > after):
+                raise NotRecorded(
+                    f"recording is paused in {of} (%themisto off; %themisto on resumes it): "
+                    f"execution {wanted} is not recorded (the latest recorded is {latest})"
                 )
-                latest = "nothing" if last is None else f"execution {last}"
+            through = trajectory.get("unrecorded_through")
+            if through is not None and wanted <= through:
+                raise NotRecorded(
+                    f"execution {wanted} of {of} ran while recording was paused and is not "
+                    f"recorded (the latest recorded is {latest})"
+                )
+            if time.monotonic() >= deadline:
                 raise NotRecorded(
                     f"execution {wanted} of {of} was not recorded within {self.execution_wait:g} s"
                     f" (the latest recorded is {latest}; ThemistoExtensionApp.execution_wait):"

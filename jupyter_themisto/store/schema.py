@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sqlite3
 
 # Each entry moves the schema from version i to i + 1. Append; never edit a released step.
@@ -96,9 +98,71 @@ MIGRATIONS: list[str] = [
     CREATE INDEX executions_pending ON executions (trajectory_id)
         WHERE snapshot_status = 'pending';
     """,
+    # 4 -> 5: storage. A variable's record (name, type, size, summary, blob, fingerprint, stub
+    # reason) is stored once however many snapshots hold it unchanged: snapshots list their
+    # records (`snapshot_variables`), and `variables` becomes a view with the columns the table
+    # had. `executions.outputs` over a few hundred bytes is a zstd frame of the JSON text (a
+    # BLOB value; smaller ones stay TEXT): code older than this schema cannot read it.
+    """
+    CREATE TABLE variable_records (
+        id           INTEGER PRIMARY KEY,
+        digest       BLOB NOT NULL UNIQUE,            -- record_digest() of the columns below
+        name         TEXT NOT NULL,
+        type         TEXT NOT NULL,
+        size         INTEGER,
+        summary      TEXT NOT NULL DEFAULT '{}',
+        blob_hash    TEXT REFERENCES blobs (hash),
+        fingerprint  TEXT,
+        stub_reason  TEXT
+    );
+    CREATE TABLE snapshot_variables (
+        snapshot_id  INTEGER NOT NULL REFERENCES snapshots (id),
+        record_id    INTEGER NOT NULL REFERENCES variable_records (id),
+        changed      INTEGER NOT NULL DEFAULT 1,
+        PRIMARY KEY (snapshot_id, record_id)
+    ) WITHOUT ROWID;
+    INSERT OR IGNORE INTO variable_records
+        (digest, name, type, size, summary, blob_hash, fingerprint, stub_reason)
+        SELECT record_digest(name, type, size, summary, blob_hash, fingerprint, stub_reason),
+            name, type, size, summary, blob_hash, fingerprint, stub_reason
+        FROM variables ORDER BY snapshot_id, name;
+    INSERT INTO snapshot_variables (snapshot_id, record_id, changed)
+        SELECT v.snapshot_id, r.id, v.changed FROM variables v JOIN variable_records r
+        ON r.digest = record_digest(
+            v.name, v.type, v.size, v.summary, v.blob_hash, v.fingerprint, v.stub_reason);
+    DROP TABLE variables;
+    CREATE VIEW variables AS
+        SELECT sv.snapshot_id, r.name, r.type, r.size, r.summary, r.blob_hash, r.fingerprint,
+            r.stub_reason, sv.changed
+        FROM snapshot_variables sv JOIN variable_records r ON r.id = sv.record_id;
+    """,
+    # 5 -> 6: the recorder notes a pause (`%themisto off`: since when, and the execution count
+    # of the cell that paused: it is recorded, those after it are not) and the end of one (the
+    # count of the cell that resumed: it and those before it that are missing ran unrecorded),
+    # so that the server need not wait for executions that never come.
+    """
+    ALTER TABLE trajectories ADD COLUMN paused_at REAL;
+    ALTER TABLE trajectories ADD COLUMN paused_after INTEGER;
+    ALTER TABLE trajectories ADD COLUMN unrecorded_through INTEGER;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def record_digest(
+    name: str,
+    type_: str,
+    size: int | None,
+    summary: str,
+    blob_hash: str | None,
+    fingerprint: str | None,
+    stub_reason: str | None,
+) -> bytes:
+    """The key under which a variable record is stored once (128 bits of BLAKE2b over its
+    columns as stored: the summary is its JSON text)."""
+    text = json.dumps([name, type_, size, summary, blob_hash, fingerprint, stub_reason])
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def migrate(conn: sqlite3.Connection) -> int:
@@ -107,6 +171,7 @@ def migrate(conn: sqlite3.Connection) -> int:
     The connection must be in autocommit mode (isolation_level=None). The write lock is taken
     before the version is read, so two processes opening a new store at once migrate it once.
     """
+    conn.create_function("record_digest", 7, record_digest, deterministic=True)
     conn.execute("BEGIN IMMEDIATE")
     try:
         start = conn.execute("PRAGMA user_version").fetchone()[0]

@@ -18,11 +18,22 @@ import zstandard
 
 from . import processes
 from .schema import migrate as migrate_schema
+from .schema import record_digest
 
 STORE_ENV = "THEMISTO_STORE"
 
 # Blobs smaller than this are not worth a compression frame.
 _COMPRESS_MIN = 64
+# Outputs JSON shorter than this stays plain text (readable with the sqlite3 shell).
+_COMPRESS_OUTPUTS_MIN = 256
+# Pages of a new store. Most of what a store holds is small rows (executions, variable records)
+# and blobs in overflow chains: with 4096-byte pages an empty table costs 4 kB, a cell's
+# commit appends several 4 kB pages to the WAL, and a nearly empty store (one per notebook in a
+# benchmark) is mostly unused page space.
+_PAGE_SIZE = 1024
+_WAL_LIMIT = 1 << 20
+# Bound parameters per statement (SQLite's default limit is 999 before 3.32).
+_SQL_VARIABLES = 500
 _ZSTD_LEVEL = 3
 
 _EXECUTION_FIELDS = (
@@ -117,7 +128,12 @@ class TrajectoryStore:
                     conn = sqlite3.connect(
                         str(self.path), timeout=self._timeout, isolation_level=None
                     )
+                    # A new database only (an existing one keeps its own); see _PAGE_SIZE.
+                    conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
                     conn.execute("PRAGMA journal_mode=WAL")
+                    # Once checkpointed, the WAL shrinks back to this (else it stays as large
+                    # as the largest it ever was: a big blob's write, on disk until the end).
+                    conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
                     conn.execute("PRAGMA synchronous=NORMAL")
                     # Zero what a write frees within a page (no extra I/O): text moved by a
                     # page split leaves no copy behind for a later secret scrub to miss.
@@ -210,6 +226,29 @@ class TrajectoryStore:
                 f"UPDATE trajectories SET {sets} WHERE id = ?", (*fields.values(), trajectory_id)
             )
 
+    def note_recording(
+        self, trajectory_id: str, *, paused: bool, execution_count: int | None = None
+    ) -> None:
+        """The recorder paused or resumed recording a trajectory in the cell `execution_count`.
+        Pausing sets `paused_at` (the time) and `paused_after` (that cell is recorded, later
+        ones are not); resuming clears them and sets `unrecorded_through` (that cell and the
+        ones before it that are not recorded never will be)."""
+        with self._write() as conn:
+            if paused:
+                conn.execute(
+                    "UPDATE trajectories SET paused_after = CASE WHEN paused_at IS NULL"
+                    " THEN ? ELSE paused_after END, paused_at = coalesce(paused_at, ?)"
+                    " WHERE id = ?",
+                    (execution_count, time.time(), trajectory_id),
+                )
+            else:
+                conn.execute(
+                    "UPDATE trajectories SET paused_at = NULL, paused_after = NULL,"
+                    " unrecorded_through = nullif(max(coalesce(unrecorded_through, -1),"
+                    " coalesce(?, -1)), -1) WHERE id = ?",
+                    (execution_count, trajectory_id),
+                )
+
     def get_trajectory(self, trajectory_id: str) -> dict[str, Any] | None:
         row = (
             self._conn()
@@ -266,7 +305,7 @@ class TrajectoryStore:
         if not isinstance(record.get("source"), str):
             raise ValueError("execution source must be a string")
         values = dict(record)
-        values["outputs"] = json.dumps(values.get("outputs") or [], allow_nan=False)
+        values["outputs"] = _pack_outputs(values.get("outputs") or [])
         values.setdefault("snapshot_status", "none")
         cols = list(values)
         insert = (
@@ -500,7 +539,8 @@ class TrajectoryStore:
             if replace_failed:
                 conn.execute(
                     "DELETE FROM snapshots WHERE execution_id = ? AND status = 'failed' AND NOT"
-                    " EXISTS (SELECT 1 FROM variables v WHERE v.snapshot_id = snapshots.id)",
+                    " EXISTS (SELECT 1 FROM snapshot_variables v"
+                    " WHERE v.snapshot_id = snapshots.id)",
                     (execution_id,),
                 )
             cur = conn.execute(
@@ -509,12 +549,15 @@ class TrajectoryStore:
                 (execution_id, status, mode, time.time(), duration, detail, same_as),
             )
             sid = int(cur.lastrowid)  # type: ignore[arg-type]
-            conn.executemany(
-                "INSERT INTO variables (snapshot_id, name, type, size, summary, blob_hash,"
-                " fingerprint, stub_reason, changed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
+            records: list[tuple[Any, ...]] = []
+            changed: list[int] = []
+            names: set[str] = set()
+            for v in variables:
+                if v["name"] in names:
+                    raise ValueError(f"variable {v['name']!r} twice in one snapshot")
+                names.add(v["name"])
+                records.append(
                     (
-                        sid,
                         v["name"],
                         v["type"],
                         v.get("size"),
@@ -522,10 +565,13 @@ class TrajectoryStore:
                         v.get("blob_hash"),
                         v.get("fingerprint"),
                         v.get("stub_reason"),
-                        int(v.get("changed", True)),
                     )
-                    for v in variables
-                ],
+                )
+                changed.append(int(v.get("changed", True)))
+            ids = _record_ids(conn, records)
+            conn.executemany(
+                "INSERT INTO snapshot_variables (snapshot_id, record_id, changed) VALUES (?, ?, ?)",
+                [(sid, rid, c) for rid, c in zip(ids, changed, strict=True)],
             )
             conn.execute(
                 "UPDATE executions SET snapshot_id = ?, snapshot_status = ?,"
@@ -652,6 +698,7 @@ class TrajectoryStore:
             with self._write() as conn:
                 rewrite = _Rewrite(conn)
                 yield rewrite
+                rewrite.finish()
             if rewrite.changes:
                 try:
                     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
@@ -691,32 +738,61 @@ class _Rewrite:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self.changes = 0
+        self._replaced: set[int] = set()
 
     def execution(self, execution_id: int, *, source: str, outputs: list[Any]) -> None:
         self.conn.execute(
             "UPDATE executions SET source = ?, outputs = ? WHERE id = ?",
-            (source, json.dumps(outputs), execution_id),
+            (source, _pack_outputs(outputs), execution_id),
         )
         self.changes += 1
 
     def variable(self, snapshot_id: int, name: str, reason: str) -> None:
-        """Make a variable record a stub: no size, summary, blob or fingerprint."""
-        self.conn.execute(
-            "UPDATE variables SET size = NULL, summary = ?, blob_hash = NULL, fingerprint = NULL,"
-            " stub_reason = ? WHERE snapshot_id = ? AND name = ?",
-            (json.dumps({"redacted": True}), reason, snapshot_id, name),
+        """Make a snapshot's variable a stub: no size, summary, blob or fingerprint. (Its old
+        record goes once no snapshot holds it: `finish`.)"""
+        row = self.conn.execute(
+            "SELECT sv.record_id, r.type FROM snapshot_variables sv JOIN variable_records r"
+            " ON r.id = sv.record_id WHERE sv.snapshot_id = ? AND r.name = ?",
+            (snapshot_id, name),
+        ).fetchone()
+        if row is None:
+            return
+        old, type_ = row
+        (stub,) = _record_ids(
+            self.conn,
+            [(name, type_, None, json.dumps({"redacted": True}), None, None, reason)],
         )
+        self.conn.execute(
+            "UPDATE snapshot_variables SET record_id = ? WHERE snapshot_id = ? AND record_id = ?",
+            (stub, snapshot_id, old),
+        )
+        self._replaced.add(old)
         self.changes += 1
 
     def drop_blobs(self, digests: Iterable[str]) -> None:
         """Delete blobs no variable refers to any more."""
+        self.finish()
         for digest in digests:
             self.conn.execute(
                 "DELETE FROM blobs WHERE hash = ? AND NOT EXISTS"
-                " (SELECT 1 FROM variables WHERE blob_hash = ?)",
+                " (SELECT 1 FROM variable_records WHERE blob_hash = ?)",
                 (digest, digest),
             )
             self.changes += 1
+
+    def finish(self) -> None:
+        """Delete the replaced variable records no snapshot holds any more (one pass)."""
+        if not self._replaced:
+            return
+        old = sorted(self._replaced)
+        self._replaced.clear()
+        for start in range(0, len(old), _SQL_VARIABLES):
+            chunk = old[start : start + _SQL_VARIABLES]
+            self.conn.execute(
+                f"DELETE FROM variable_records WHERE id IN ({','.join('?' * len(chunk))})"
+                " AND id NOT IN (SELECT record_id FROM snapshot_variables)",
+                chunk,
+            )
 
 
 _TRAJECTORY_SELECT = (
@@ -734,7 +810,7 @@ def _trajectory_dict(row: sqlite3.Row) -> dict[str, Any]:
 
 def _execution_dict(row: sqlite3.Row) -> dict[str, Any]:
     d = dict(row)
-    d["outputs"] = json.loads(d["outputs"] or "[]")
+    d["outputs"] = _unpack_outputs(d["outputs"])
     d.pop("snapshot_owner", None)  # bookkeeping of the recorder (store/processes.py)
     return d
 
@@ -744,6 +820,50 @@ def _variable_dict(row: sqlite3.Row) -> dict[str, Any]:
     d["summary"] = json.loads(d["summary"] or "{}")
     d["changed"] = bool(d["changed"])
     return d
+
+
+def _record_ids(conn: sqlite3.Connection, records: list[tuple[Any, ...]]) -> list[int]:
+    """The ids of variable records (name, type, size, summary JSON, blob hash, fingerprint,
+    stub reason), each stored once: found by its digest, else inserted."""
+    digests = [record_digest(*r) for r in records]
+    known: dict[bytes, int] = {}
+    unique = list(dict.fromkeys(digests))
+    for start in range(0, len(unique), _SQL_VARIABLES):
+        chunk = unique[start : start + _SQL_VARIABLES]
+        known.update(
+            conn.execute(
+                f"SELECT digest, id FROM variable_records WHERE digest IN"
+                f" ({','.join('?' * len(chunk))})",
+                chunk,
+            ).fetchall()
+        )
+    ids = []
+    for digest, record in zip(digests, records, strict=True):
+        if digest not in known:
+            cur = conn.execute(
+                "INSERT INTO variable_records (digest, name, type, size, summary, blob_hash,"
+                " fingerprint, stub_reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (digest, *record),
+            )
+            known[digest] = int(cur.lastrowid)  # type: ignore[arg-type]
+        ids.append(known[digest])
+    return ids
+
+
+def _pack_outputs(outputs: list[Any]) -> str | bytes:
+    """An execution's outputs as stored: strict JSON text (no NaN), as a zstd frame when the
+    text is long enough for that to pay (a BLOB value; `_unpack_outputs` tells them apart)."""
+    text = json.dumps(outputs, allow_nan=False)
+    if len(text) < _COMPRESS_OUTPUTS_MIN:
+        return text
+    packed, codec = _compress(text.encode("utf-8", "surrogatepass"))
+    return packed if codec == "zstd" else text
+
+
+def _unpack_outputs(stored: str | bytes | None) -> list[Any]:
+    if isinstance(stored, bytes):
+        stored = _decompress(stored, "zstd").decode("utf-8", "surrogatepass")
+    return json.loads(stored or "[]")
 
 
 _compressor = threading.local()
