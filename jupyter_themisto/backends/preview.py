@@ -10,6 +10,8 @@ falls back to the backend named by the `fallback` setting, or says why there is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,7 +33,13 @@ from .settings import BackendSettings, problems
 
 
 class PreviewSettings(BackendSettings):
-    timeout: float = Field(5.0, gt=0, description="seconds the preview may take (wall clock)")
+    timeout: float = Field(
+        50.0,
+        gt=0,
+        description="seconds the preview may take (wall clock): as long as a long cell runs, but"
+        " below the server's prediction_timeout (60 s); a preview is cancelled as soon as its"
+        " request is (the cell runs, the client goes away or asks for another prediction)",
+    )
     memory_mb: int = Field(
         1024, gt=0, description="memory the preview may take beyond the kernel's, in MB"
     )
@@ -102,6 +110,8 @@ class PreviewPredictor(Predictor):
         self._locks: dict[str, asyncio.Lock] = {}
         #: what the last preview reported (for the host's logs and for tests)
         self.last_reply: dict[str, Any] | None = None
+        #: how many previews were cancelled in the kernel (their request was)
+        self.cancelled = 0
 
     # -- kernel access -----------------------------------------------------------------------
 
@@ -142,6 +152,16 @@ class PreviewPredictor(Predictor):
         finally:
             sock.close()
 
+    @staticmethod
+    def _cancel(token: str) -> bool:
+        """Tell the kernel's running preview `token` to stop (kernel/preview.py's
+        `cancel_preview`: a datagram to an abstract unix socket, which reaches kernels on this
+        machine, in the server's network namespace; a remote kernel's preview runs to its
+        timeout)."""
+        from ..kernel.preview import cancel_preview
+
+        return cancel_preview(token)
+
     async def _idle_state(self, kernel: Any) -> str:
         """The kernel's execution state, given `busy_wait` to become idle. The server learns
         the state from the kernel's status messages, which arrive after the replies they
@@ -162,13 +182,18 @@ class PreviewPredictor(Predictor):
             # Never queue behind the person's running cell.
             raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
-        if lock.locked():
-            raise NoPrediction("kernel busy: another preview is running")
-        async with lock:
+        try:
+            # A preview being cancelled (superseded by this one) ends within moments.
+            await asyncio.wait_for(lock.acquire(), max(self.busy_wait, 0.1))
+        except TimeoutError:
+            raise NoPrediction("kernel busy: another preview is running") from None
+        try:
+            token = secrets.token_hex(16)
             expr = (
                 "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
                 f".run_preview({source!r}, timeout={self.timeout!r}, "
-                f"memory_mb={self.memory_mb!r}, cpu_seconds={self.cpu_seconds!r})"
+                f"memory_mb={self.memory_mb!r}, cpu_seconds={self.cpu_seconds!r}, "
+                f"cancel={token!r})"
             )
             content = {
                 "code": "",
@@ -179,14 +204,34 @@ class PreviewPredictor(Predictor):
                 "stop_on_error": False,
             }
             # The child is killed after `timeout`; the rest is fork, JSON and messaging.
-            msg = await asyncio.to_thread(
-                self._roundtrip, kernel.get_connection_info(), content, self.timeout + 30
+            work = asyncio.ensure_future(
+                asyncio.to_thread(
+                    self._roundtrip, kernel.get_connection_info(), content, self.timeout + 30
+                )
             )
+            try:
+                msg = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The request was cancelled: so is the preview in the kernel, which then
+                # answers at once; the lock is held until it has (the kernel is idle again).
+                # (Sent again until then: the kernel may not have started the preview yet.)
+                until = time.monotonic() + 10
+                while not work.done() and time.monotonic() < until:
+                    self._cancel(token)
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await asyncio.wait_for(asyncio.shield(work), 0.1)
+                self.cancelled += 1
+                raise
+        finally:
+            lock.release()
         content = msg["content"]
         if content.get("status") != "ok":
             raise BackendError(f"the kernel refused the preview: {content.get('evalue', '')}")
         result = content.get("user_expressions", {}).get("preview", {})
         if result.get("status") != "ok":
+            if result.get("ename") == "KeyboardInterrupt":
+                # (the preview ended with the kernel's interrupt: nothing is left running)
+                raise NoPrediction("preview cancelled: the kernel was interrupted")
             detail = f"{result.get('ename', 'Error')}: {result.get('evalue', '')}"
             if result.get("ename") in ("ModuleNotFoundError", "ImportError"):
                 raise BackendUnavailable(
@@ -208,12 +253,18 @@ class PreviewPredictor(Predictor):
             raise NoPrediction("no live kernel to preview in")
         reply = await self.run_preview(ctx.kernel_id, ctx.target_source)
         stopped = reply.get("stopped") or []
+        if reply.get("status") == "cancelled":
+            raise NoPrediction("preview cancelled")
         meta = {"preview": {k: reply.get(k) for k in ("stopped", "sandbox", "status")}}
         if reply.get("status") != "ok" or stopped:
+            from ..kernel.preview import WAITS_FOR_INPUT
+
             why = (
                 "; ".join(f"preview stopped: the cell would {s}" for s in stopped)
                 or f"preview {reply.get('status')}: {reply.get('detail', '')}"
             )
+            if WAITS_FOR_INPUT in stopped:
+                why = "this cell waits for input; no preview"
             self.env.log.info("themisto: %s", why)
             fallback = self._fallback_backend()
             if fallback is None:
