@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -127,10 +128,16 @@ class PreviewPredictor(Predictor):
         return km  # a single KernelManager
 
     @staticmethod
-    def _roundtrip(info: dict[str, Any], content: dict[str, Any], timeout: float) -> dict:
+    def _roundtrip(
+        info: dict[str, Any],
+        content: dict[str, Any],
+        timeout: float,
+        abandon: threading.Event | None = None,
+    ) -> dict:
         """Send one execute_request on a socket of its own and wait for its reply (in a worker
         thread: a plain zmq socket, not the server's asyncio ones, whose un-awaited sends can
-        stall)."""
+        stall); `abandon` set: stop waiting (the request was cancelled and its kernel will not
+        answer: restarted or gone)."""
         session = Session(
             key=info["key"], signature_scheme=info["signature_scheme"], username="themisto"
         )
@@ -143,8 +150,12 @@ class PreviewPredictor(Predictor):
             deadline = time.monotonic() + timeout
             while True:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(int(remaining * 1000)):
+                if abandon is not None and abandon.is_set():
+                    raise BackendTimeout("the preview request was abandoned")
+                if remaining <= 0:
                     raise BackendTimeout("the kernel did not answer the preview request")
+                if not sock.poll(int(min(remaining, 0.5) * 1000)):
+                    continue
                 _, parts = session.feed_identities(sock.recv_multipart())
                 reply = session.deserialize(parts)
                 if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
@@ -204,9 +215,14 @@ class PreviewPredictor(Predictor):
                 "stop_on_error": False,
             }
             # The child is killed after `timeout`; the rest is fork, JSON and messaging.
+            abandon = threading.Event()
             work = asyncio.ensure_future(
                 asyncio.to_thread(
-                    self._roundtrip, kernel.get_connection_info(), content, self.timeout + 30
+                    self._roundtrip,
+                    kernel.get_connection_info(),
+                    content,
+                    self.timeout + 30,
+                    abandon,
                 )
             )
             try:
@@ -214,12 +230,15 @@ class PreviewPredictor(Predictor):
             except asyncio.CancelledError:
                 # The request was cancelled: so is the preview in the kernel, which then
                 # answers at once; the lock is held until it has (the kernel is idle again).
-                # (Sent again until then: the kernel may not have started the preview yet.)
-                until = time.monotonic() + 10
-                while not work.done() and time.monotonic() < until:
-                    self._cancel(token)
+                # (Sent again until then: the kernel may not have started the preview yet. Still
+                # nothing listening after a second: the kernel restarted or went away.)
+                began = time.monotonic()
+                while not work.done() and time.monotonic() < began + 10:
+                    if not self._cancel(token) and time.monotonic() > began + 1:
+                        break
                     with contextlib.suppress(Exception, asyncio.CancelledError):
                         await asyncio.wait_for(asyncio.shield(work), 0.1)
+                abandon.set()
                 self.cancelled += 1
                 raise
         finally:
