@@ -180,7 +180,7 @@ class ThemistoRecorder(LoggingConfigurable):
         self.secrets = KernelSecrets(self.secret_pattern)
         self._handler_patch: tuple[Any, Any, Any] | None = None
         self.owner: str | None = None
-        from .snapshot import SnapshotManager
+        from .snapshot_manager import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
 
@@ -554,7 +554,7 @@ class ThemistoRecorder(LoggingConfigurable):
             "hooks": list(self.hook_seconds),
             "after_reply": list(self.deferred_seconds),
             "fork": list(self.snapshots.fork_seconds),
-            "small": list(self.snapshots.small_seconds),
+            "small": list(self.snapshots.small.seconds),
             "writer": list(self.writer.write_seconds) if self.writer is not None else [],
         }
 

@@ -1,0 +1,309 @@
+"""What a snapshot may pickle and how: refusals, bounded pickle/dill, what the kernel may pickle.
+
+Refused (a stub with type, short repr and reason, never serialized): file objects (pickling
+flushes them: in a forked child that writes the person's buffered data twice), sockets, locks,
+generators, coroutines, frames, tracebacks, modules inside containers, database connections;
+matplotlib figures/artists are *summarized* (their pickle differs every time, so content
+hashing cannot tell them unchanged).
+
+Serializing is pickle protocol 5, then dill only if pickle refused; both through a pickler that
+refuses those objects wherever they sit in a container, with a size bound (the pickler stops as
+soon as the output passes the bound) and a time bound (SIGALRM, main thread only).
+
+`small_value` says what the kernel may snapshot itself (small_snapshot_seconds): scalars,
+strings, small containers of them, arrays and plain frames under 1 MB, functions, plain
+instances of the person's classes — values whose serialization runs none of the person's code.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import signal
+import socket
+import sys
+import threading
+import types
+from typing import Any
+
+from .variables import estimated_size
+
+
+class Refused(Exception):
+    """An object the snapshot must not serialize; the message is the stub's reason."""
+
+
+class TooLarge(Exception):
+    pass
+
+
+class TooSlow(Exception):
+    pass
+
+
+def _refused_types() -> tuple[tuple[type, str], ...]:
+    found: list[tuple[type, str]] = [
+        (io.IOBase, "file object (never serialized: pickling one flushes it)"),
+        (socket.socket, "socket"),
+        (types.GeneratorType, "generator"),
+        (types.CoroutineType, "coroutine"),
+        (types.AsyncGeneratorType, "async generator"),
+        (types.FrameType, "frame"),
+        (types.TracebackType, "traceback"),
+        (type(threading.Lock()), "lock"),
+        (type(threading.RLock()), "lock"),
+        (threading.Thread, "thread"),
+    ]
+    try:
+        import sqlite3
+
+        found.append((sqlite3.Connection, "database connection"))
+        found.append((sqlite3.Cursor, "database cursor"))
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+_REFUSED = _refused_types()
+_REFUSED_TYPES = tuple(t for t, _ in _REFUSED)
+
+
+def refusal(obj: Any, *, top_level: bool = True) -> str | None:
+    """Why `obj` must not be serialized, or None."""
+    if isinstance(obj, _REFUSED_TYPES):
+        for t, reason in _REFUSED:
+            if isinstance(obj, t):
+                return reason
+    if not top_level and isinstance(obj, types.ModuleType):
+        return "contains a module"
+    module = getattr(type(obj), "__module__", "") or ""
+    if module.startswith("matplotlib") and "matplotlib" in sys.modules:
+        try:
+            from matplotlib.artist import Artist
+            from matplotlib.figure import FigureBase
+
+            if isinstance(obj, (Artist, FigureBase)):
+                return "matplotlib object (summarized: its pickle differs every time)"
+        except Exception:
+            pass
+    if module.startswith("zmq"):
+        return "zmq object"
+    return None
+
+
+class _GuardedPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        reason = refusal(obj, top_level=False)
+        if reason:
+            raise Refused(reason)
+        return NotImplemented
+
+
+def _dill_pickler() -> type:
+    import dill
+
+    class GuardedDillPickler(dill.Pickler):  # type: ignore[misc]
+        def reducer_override(self, obj: Any) -> Any:
+            reason = refusal(obj, top_level=False)
+            if reason:
+                raise Refused(reason)
+            return NotImplemented
+
+    return GuardedDillPickler
+
+
+class _BoundedSink:
+    """A write-only file for the pickler that stops it once the bound is passed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.parts: list[bytes] = []
+
+    def write(self, data: Any) -> int:
+        n = len(data) if not isinstance(data, memoryview) else data.nbytes
+        self.size += n
+        if self.size > self.limit:
+            raise TooLarge(self.size)
+        self.parts.append(bytes(data))
+        return n
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def serialize(value: Any, *, max_bytes: int) -> tuple[bytes, str]:
+    """Bytes of `value` and the codec used ('pickle' or 'dill').
+
+    Raises Refused, TooLarge, TooSlow, or the serializer's own error when both refuse.
+    """
+    sink = _BoundedSink(max_bytes)
+    try:
+        _GuardedPickler(sink, protocol=5).dump(value)
+        return sink.getvalue(), "pickle"
+    except (Refused, TooLarge, TooSlow):
+        raise
+    except RecursionError:
+        raise
+    except Exception as first:
+        try:
+            dill_pickler = _dill_pickler()
+        except ImportError:
+            raise first from None
+        sink = _BoundedSink(max_bytes)
+        dill_pickler(sink, protocol=5).dump(value)
+        return sink.getvalue(), "dill"
+
+
+class time_limit:
+    """SIGALRM-based time bound around pure-Python work (no-op off the main thread)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.active = False
+        self.previous: Any = None
+
+    def _fire(self, signum: int, frame: Any) -> None:
+        raise TooSlow()
+
+    def __enter__(self) -> time_limit:
+        if (
+            self.seconds > 0
+            and hasattr(signal, "setitimer")
+            and threading.current_thread() is threading.main_thread()
+        ):
+            previous = signal.getsignal(signal.SIGALRM)
+            # Never take over an alarm the person set for their own code.
+            if previous in (signal.SIG_DFL, signal.SIG_IGN, None) and signal.getitimer(
+                signal.ITIMER_REAL
+            ) == (0.0, 0.0):
+                self.previous = previous
+                signal.signal(signal.SIGALRM, self._fire)
+                signal.setitimer(signal.ITIMER_REAL, self.seconds)
+                self.active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous or signal.SIG_DFL)
+
+
+# What the kernel may snapshot itself (small_snapshot_seconds): values whose serialization is
+# bounded by a glance at them.
+_SMALL_BYTES = 1 << 20
+_SMALL_LEN = 5000
+_SMALL_CELLS = 20_000
+
+
+def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bool:
+    """True if `value` is cheap to fingerprint or serialize, and serializing it runs no code of
+    the person's (a `__reduce__`, `__getstate__` or `__repr__` of theirs could take any time,
+    print into a cell's output or change something): judged by its type and size alone,
+    looking at no more than _SMALL_LEN items of nested containers in all."""
+    seen = [0] if seen is None else seen
+    seen[0] += 1
+    if seen[0] > _SMALL_LEN or depth > 4:
+        return False
+    t = type(value)
+    if value is None or t in (bool, int, float, complex):
+        return True
+    if t in (str, bytes, bytearray):
+        return len(value) <= _SMALL_BYTES
+    if t in (list, tuple, set, frozenset, dict):
+        if len(value) + seen[0] > _SMALL_LEN:
+            return False
+        if t is dict:
+            return all(
+                small_value(k, seen, depth + 1) and small_value(v, seen, depth + 1)
+                for k, v in value.items()
+            )
+        return all(small_value(v, seen, depth + 1) for v in value)
+    if refusal(value):
+        return True  # a stub: its type and a short repr
+    module = t.__module__ or ""
+    if module.startswith("numpy"):
+        size = estimated_size(value)
+        dtype = getattr(value, "dtype", None)
+        return size is not None and size <= _SMALL_BYTES and not getattr(dtype, "hasobject", True)
+    if depth > 0:
+        return False
+    if module.startswith("pandas"):
+        return _small_frame(value)
+    if t in (types.FunctionType, type) and (
+        "<" in value.__qualname__ or getattr(value, "__closure__", None)
+    ):
+        return False  # a lambda, a closure or a local class: pickled by value, with what it holds
+    if t is types.FunctionType:
+        return True  # pickled by reference (its module and name)
+    if t is type:
+        return _plain_class(value)
+    # An instance of a class of the person's own, holding small values, pickled and shown the
+    # plain way.
+    attrs = getattr(value, "__dict__", None)
+    return (
+        module == "__main__"
+        and _plain_class(t)
+        and isinstance(attrs, dict)
+        and all(small_value(v, seen, depth + 1) for v in attrs.values())
+    )
+
+
+# What pandas infers a column or index to hold, when nothing in it is an object of the person's.
+_PLAIN_KINDS = frozenset(
+    """string empty integer floating mixed-integer-float complex boolean datetime64 datetime
+    date timedelta64 timedelta time""".split()
+)
+
+
+def _plain_values(values: Any, pd: Any) -> bool:
+    kind = pd.api.types.infer_dtype(values, skipna=True)
+    if kind == "categorical":
+        return _plain_values(values.dtype.categories, pd)
+    return kind in _PLAIN_KINDS
+
+
+def _plain_class(t: type) -> bool:
+    """A class whose instances pickle, show and look attributes up as `object` does."""
+    return (
+        t.__reduce_ex__ is object.__reduce_ex__
+        and t.__reduce__ is object.__reduce__
+        and getattr(t, "__getstate__", None) is getattr(object, "__getstate__", None)
+        and t.__repr__ is object.__repr__
+        and t.__getattribute__ is object.__getattribute__
+        and not any(
+            hasattr(t, name)
+            for name in ("__getattr__", "__getnewargs_ex__", "__getnewargs__", "__setstate__")
+        )
+        and type(t) is type  # no metaclass of theirs
+    )
+
+
+def _small_frame(value: Any) -> bool:
+    """A pandas Series or DataFrame of at most _SMALL_CELLS cells holding numbers, dates,
+    strings or missing values only (no objects of the person's)."""
+    try:
+        import numpy as np
+        import pandas as pd
+
+        if isinstance(value, pd.Series):
+            dtypes, column = [value.dtype], (lambda i: value)
+            labels = [value.index]
+        elif isinstance(value, pd.DataFrame):
+            dtypes, column = list(value.dtypes), (lambda i: value.iloc[:, i])
+            labels = [value.index, value.columns]
+        else:
+            return False
+        if value.size > _SMALL_CELLS or value.attrs:
+            return False  # large, or attrs holding anything (pickled with it)
+        for label in labels:
+            if not isinstance(label, pd.RangeIndex) and not _plain_values(label, pd):
+                return False
+        for i, dtype in enumerate(dtypes):
+            if isinstance(dtype, np.dtype) and dtype.kind in "biufcmM":
+                continue
+            if not _plain_values(column(i), pd):
+                return False
+        return True
+    except Exception:
+        return False

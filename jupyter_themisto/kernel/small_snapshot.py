@@ -1,0 +1,112 @@
+"""Snapshots the kernel takes itself, without a fork, when what may have changed is small.
+
+When every variable that may have changed since the last snapshot is small and serializing it
+runs none of the person's code (pickling.small_value), the kernel takes the snapshot itself
+within `small_snapshot_seconds` (its blobs and rows handed to the writer thread) instead of
+forking; past that time it gives up and the manager forks.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from .pickling import small_value
+from .snapshot_writer import snapshot_status
+from .variables import remembered
+
+if TYPE_CHECKING:
+    from .snapshot_manager import SnapshotManager
+
+
+class SmallSnapshots:
+    """The manager's in-kernel snapshots, and what it keeps of the last one it took."""
+
+    def __init__(self, manager: SnapshotManager) -> None:
+        self.manager = manager
+        # The variable records of the last snapshot taken by the kernel itself, by execution.
+        self.kept: tuple[int | None, dict[str, dict[str, Any]]] = (None, {})
+        #: seconds the kernel spent per snapshot it took itself (small_snapshot_seconds)
+        self.seconds: deque[float] = deque(maxlen=100_000)
+
+    def take(
+        self, order: int, variables: list[tuple[str, Any]], same: set[str], generation: int
+    ) -> bool:
+        """Take the snapshot in the kernel when what changed since the last one is small (see
+        small_snapshot_seconds); False (nothing written) when it is not, when the store is
+        busy, or when it takes too long. `same`: the names known unchanged since then."""
+        m = self.manager
+        r = m.recorder
+        budget = r.small_snapshot_seconds
+        started = time.perf_counter()
+        # Called with no child running (the earlier snapshots' rows, which an unchanged variable
+        # reuses, are written); the execution's row must be written too (the writer idle).
+        if r.writer is None:
+            return False
+        r.writer.wait_idle(budget)
+        store = r.writer._direct()
+        tid = r.trajectory_id
+        if store is None or tid is None:
+            return False
+        recheck = generation != m.secrets_generation
+        try:
+            execution_id = store.execution_id(tid, order)
+            previous: dict[str, dict[str, Any]] = {}
+            if m.base_order is not None:
+                kept_order, kept = self.kept
+                if kept_order == m.base_order:
+                    previous = kept  # taken here last time: no need to read it back
+                else:
+                    rows = store.snapshot_variables(tid, m.base_order)
+                    if rows is None:
+                        return False  # the last one was not written (failed): a full one is due
+                    previous = {v["name"]: v for v in rows}
+        except sqlite3.Error:
+            return False  # locked by another process (this connection never waits): a child
+        if execution_id is None:
+            return False
+        reuse = {n for n in same if n in previous}
+        if not all(
+            small_value(v) or remembered(v, previous.get(n), recheck)
+            for n, v in variables
+            if n not in reuse
+        ):
+            return False
+        from ..store import blob_hash
+
+        blobs: dict[str, bytes] = {}
+
+        def collect(data: bytes) -> str:
+            digest = blob_hash(data)
+            blobs[digest] = bytes(data)
+            return digest
+
+        writer = m.snapshot_writer(store, put_blob=collect)
+        records = []
+        for name, value in variables:
+            if name in reuse:
+                records.append({**previous[name], "changed": False})
+            else:
+                records.append(writer.record(name, value, previous.get(name)))
+            if time.perf_counter() - started > budget:
+                m.count("small_over_budget")
+                return False
+        status = snapshot_status(records)
+        duration = time.perf_counter() - started
+
+        def job(store: Any) -> None:
+            # Idempotent: the writer thread runs it again if it failed here.
+            for digest, data in blobs.items():
+                store.put_blob(data, digest)
+            if store.get_snapshot(execution_id) is None:
+                store.write_snapshot(
+                    execution_id, records, status=status, mode="inline", duration=duration
+                )
+
+        r.writer.submit(job)
+        self.kept = (order, {rec["name"]: rec for rec in records})
+        m.count("small")
+        self.seconds.append(time.perf_counter() - started)
+        return True

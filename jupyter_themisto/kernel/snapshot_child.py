@@ -1,0 +1,177 @@
+"""The forked snapshot child: what it does before it serializes, and how the kernel reads its end.
+
+Fork mode (default on Linux/macOS): the kernel (SnapshotManager) takes the writer's fork lock
+(its background thread is then outside SQLite), calls `gc.freeze()` (the kernel's collections
+then do not touch the child's copy-on-write pages) and forks; its own store connection stays
+open (the child never touches it). The child ignores SIGINT, leaves the kernel's process group
+(ipykernel terminates that group's processes at shutdown; a snapshot should outlive the kernel
+by the moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its priority
+(nice 19), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's output into the
+person's cell), disables gc (a collected file object would flush), opens its own connection,
+waits for the execution's row if the writer has not written it yet, serializes and writes, and
+leaves with `os._exit`. A thread per child (waiting on a pidfd) reaps it and marks its snapshot
+`failed` with the reason if it died without writing one; gc is unfrozen once none is left.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from .snapshot_writer import SnapshotWriter
+from .variables import user_variables
+
+# Exit codes of the snapshot child.
+CHILD_OK = 0
+CHILD_FAILED = 3
+CHILD_NO_ROW = 4  # the execution was never written (lost): nothing to attach a snapshot to
+_CHILD_NICE = 19
+
+
+class SnapshotChild:
+    """One running snapshot child, as the kernel knows it."""
+
+    __slots__ = ("pid", "order_index", "started", "killed")
+
+    def __init__(self, pid: int, order_index: int) -> None:
+        self.pid = pid
+        self.order_index = order_index
+        self.started = time.monotonic()
+        self.killed = False
+
+
+def run_child(recorder: Any, order: int, writer_for: Callable[[Any], SnapshotWriter]) -> NoReturn:
+    """The child's whole life after the fork: snapshot execution `order`, then `os._exit`."""
+    code = CHILD_FAILED
+    try:
+        gc.disable()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Out of the kernel's process group: ipykernel terminates its group's children at
+        # shutdown and jupyter_client signals the group; the snapshot must outlive both.
+        # An orphan still stops on its own: a CPU-time limit bounds it.
+        try:
+            os.setpgid(0, 0)
+            import resource
+
+            limit = max(1, int(recorder.max_snapshot_seconds))
+            resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))
+        except (OSError, ValueError, ImportError):
+            pass
+        # The kernel comes first: the child takes leftover CPU (renice at kernel exit).
+        try:
+            os.nice(_CHILD_NICE)
+        except OSError:
+            pass
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        sink = open(os.devnull, "w")  # noqa: SIM115 - lives until os._exit
+        sys.stdout = sys.stderr = sink
+        variables = list(user_variables(recorder.shell))
+        from ..store import TrajectoryStore
+        from ..store.processes import process_identity
+
+        # Its own connection; nothing of the kernel's (the writer thread's) is touched.
+        store = TrajectoryStore(recorder.store_file, migrate=False)
+        execution_id = wait_for_row(store, recorder.trajectory_id, order)
+        if execution_id is None:
+            code = CHILD_NO_ROW
+        else:
+            try:
+                # This process resolves the snapshot now: if it dies (with its kernel or
+                # not), a sweep finds it gone and marks the snapshot failed.
+                store.set_snapshot_owner(execution_id, process_identity("snapshot"))
+                writer_for(store).write(execution_id, variables, mode="fork")
+                code = CHILD_OK
+            except BaseException as e:  # noqa: B036
+                try:
+                    store.write_snapshot(
+                        execution_id,
+                        [],
+                        status="failed",
+                        mode="fork",
+                        detail=f"{type(e).__name__}: {str(e)[:500]}",
+                        replace_failed=True,
+                    )
+                except BaseException:  # noqa: B036
+                    pass
+    finally:
+        os._exit(code)
+
+
+def wait_for_row(store: Any, trajectory_id: str | None, order: int) -> int | None:
+    """The execution's id once the kernel's writer has written it (the child may be first)."""
+    if trajectory_id is None:
+        return None
+    deadline = time.monotonic() + 120.0
+    pause = 0.005
+    while True:
+        try:
+            found = store.execution_id(trajectory_id, order)
+        except Exception:
+            found = None
+        if found is not None or time.monotonic() > deadline:
+            return found
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+def wait_child(child: SnapshotChild, limit: float) -> int | None:
+    """The child's wait status once it ends (SIGKILL past `limit` seconds), None if someone
+    else reaped it."""
+    deadline = child.started + limit
+    pidfd = None
+    try:
+        pidfd = os.pidfd_open(child.pid) if hasattr(os, "pidfd_open") else None
+    except OSError:
+        pidfd = None
+    try:
+        while True:
+            try:
+                done, status = os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:
+                return None
+            if done:
+                return status
+            left = deadline - time.monotonic()
+            if left <= 0 and not child.killed:
+                child.killed = True
+                try:
+                    os.kill(child.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                left = 5.0
+            wait = min(max(left, 0.01), 1.0)
+            if pidfd is not None:
+                import select
+
+                select.select([pidfd], [], [], wait)
+            else:
+                time.sleep(min(wait, 0.05))
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def failure_reason(child: SnapshotChild, status: int | None, limit: float) -> str | None:
+    """Why the child ended without writing its snapshot, or None if it wrote one (or its own
+    `failed` one)."""
+    if child.killed:
+        return f"snapshot killed after {limit:g}s"
+    if status is None:
+        return "the snapshot process was reaped by someone else (status unknown)"
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the snapshot process was killed by {name}"
+    if code not in (CHILD_OK, CHILD_FAILED, CHILD_NO_ROW):
+        return f"the snapshot process exited with status {code}"
+    return None
