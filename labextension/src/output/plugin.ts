@@ -49,7 +49,7 @@ export class OutputPredictions {
     this._clear(cell);
     this._watch(panel);
     const controller = new AbortController();
-    const widget = new PredictedOutput(() => this._stop(entry, 'cancelled'));
+    const widget = new PredictedOutput(() => this._stop(entry, ''));
     const entry: ICellPrediction = { widget, controller, source, panel };
     this._predictions.set(cell, entry);
     this._insert(cell, widget);
