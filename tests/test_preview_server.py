@@ -146,10 +146,17 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         with pytest.raises(HTTPClientError) as superseded:
             await first
         assert superseded.value.code == 409
-        assert not preview_processes(pid) and backend.cancelled == 2
+        assert backend.cancelled == 2
+        # (the second preview's own processes end just after its reply)
+        await wait_for(lambda: not preview_processes(pid), timeout=20)
+
+        # Another client's preview on that kernel meanwhile: not queued behind, said so.
+        task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
+        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert reasons and reasons[0].startswith("kernel busy"), events
 
         # An interrupt of the kernel ends the preview: said so, nothing left running.
-        task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
         await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="")
         events = parse_sse((await task).body.decode())
         reasons = [d["reason"] for n, d in events if n == "no_prediction"]
