@@ -61,6 +61,18 @@ rf = open("@WORK@/lines.txt")
 first = rf.readline()
 rwf = open("@WORK@/rw.bin", "r+b")
 rwf.seek(100)
+import io
+class _Trap(io.TextIOWrapper):
+    # (a handle whose methods have side effects: the preview looks for the files to copy before
+    # it is isolated, and must run none of them then)
+    def fileno(self):
+        open("@WORK@/trap.log", "a").write("ESCAPED\n")
+        return 1
+    @property
+    def __class__(self):
+        open("@WORK@/trap.log", "a").write("ESCAPED\n")
+        return io.FileIO
+trap = _Trap(io.BytesIO()); traps = [trap]; trapd = {"t": trap}
 import fcntl
 fcntl.flock(rwf.fileno(), fcntl.LOCK_SH)
 mm = np.memmap("@WORK@/mm.bin", dtype="uint8", mode="r+", shape=(4096,))

@@ -1101,8 +1101,10 @@ def namespace_files(namespace: dict[str, Any]) -> set[int]:
     private copy in the preview (see `inventory_descriptors`). Runs before the preview is
     isolated, so it looks at exact built-in types only (an `isinstance`, a `len` or an attribute
     could run the person's code)."""
+    if not issubclass(type(namespace), dict):
+        return set()
     fds = set()
-    for value in list(namespace.values()):
+    for value in list(dict.values(namespace)):
         kind = type(value)
         if kind is dict and len(value) <= 1000:
             members: list[Any] = list(dict.values(value))
