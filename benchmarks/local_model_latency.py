@@ -99,9 +99,10 @@ async def in_process(notebooks: list[Path], n_cells: int) -> None:
     backend = LlamaCppPredictor({})
     start = time.perf_counter()
     model = await asyncio.to_thread(backend.shared)
-    print(f"model: {backend.model_path().name}; {backend.n_threads} threads, {backend.parallel}")
+    slots = backend.settings.parallel
+    print(f"model: {backend.model_path().name}; {backend.n_threads} threads, {slots}")
     print(f"load: {(time.perf_counter() - start) * 1000:.0f} ms (once per process)")
-    limit = backend.suggestion_timeout
+    limit = backend.settings.suggestion_timeout
     session_first, session_total, warm_first, cold_first, cold_total = [], [], [], [], []
     for path in notebooks:
         cells = notebook_cells(path, n_cells)

@@ -109,24 +109,42 @@ def test_a_refused_key_is_never_repeated():
 
 def test_values_given_as_text_are_read_as_their_type():
     b = create_backend("retrieval", {"max_trajectories": "7", "history": "false"})
-    assert (b.max_trajectories, b.history) == (7, False)
+    assert (b.settings.max_trajectories, b.settings.history) == (7, False)
 
 
 def test_defaults_are_unchanged(monkeypatch):
     for var in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"):
         monkeypatch.delenv(var, raising=False)
     r = create_backend("retrieval")
-    assert (r.corpus_dir, r.history, r.max_trajectories, r.context_cells) == (None, True, 500, 2)
-    assert r.sync_rebuild_seconds == 0.02
+    assert (
+        r.corpus_dir,
+        r.settings.history,
+        r.settings.max_trajectories,
+        r.settings.context_cells,
+    ) == (None, True, 500, 2)
+    assert r.settings.sync_rebuild_seconds == 0.02
     for name, url, model in [
         ("openai", "https://api.openai.com/v1", "gpt-4o-mini"),
         ("anthropic", "https://api.anthropic.com", "claude-3-5-haiku-latest"),
     ]:
         h = create_backend(name)
         assert (h.base_url, h.model, h._api_key) == (url, model, "")
-        assert (h.timeout, h.connect_timeout, h.max_retries) == (30.0, 5.0, 2)
-        assert (h.backoff, h.max_backoff, h.max_tokens, h.temperature) == (0.5, 20.0, 256, 0.2)
-        assert (h.max_line_bytes, h.max_event_bytes, h.max_response_bytes) == (
+        assert (h.settings.timeout, h.settings.connect_timeout, h.settings.max_retries) == (
+            30.0,
+            5.0,
+            2,
+        )
+        assert (
+            h.settings.backoff,
+            h.settings.max_backoff,
+            h.settings.max_tokens,
+            h.settings.temperature,
+        ) == (0.5, 20.0, 256, 0.2)
+        assert (
+            h.settings.max_line_bytes,
+            h.settings.max_event_bytes,
+            h.settings.max_response_bytes,
+        ) == (
             256 * 1024,
             1024 * 1024,
             16 * 1024 * 1024,
@@ -139,35 +157,59 @@ def test_defaults_are_unchanged(monkeypatch):
     assert (o.model, o.base_url, o._api_key) == ("gpt-4o-mini", "http://127.0.0.1:9/v1", "sk-env")
     assert create_backend("openai", {"api_key": "sk-given"})._api_key == "sk-given"
     ll = create_backend("llamacpp")
-    assert (ll.model_name, ll.n_ctx, ll.parallel, ll.cache_ram_mb) == (
+    assert (
+        ll.settings.model,
+        ll.settings.n_ctx,
+        ll.settings.parallel,
+        ll.settings.cache_ram_mb,
+    ) == (
         "qwen2.5-coder-0.5b",
         2048,
         2,
         256,
     )
-    assert (ll.flash_attn, ll.max_prompt_tokens, ll.n_threads >= 1) == (False, 1024, True)
-    assert (ll.max_tokens, ll.output_max_tokens, ll.max_lines, ll.suggestion_timeout) == (
+    assert (ll.settings.flash_attn, ll.settings.prompt_budget(), ll.n_threads >= 1) == (
+        False,
+        1024,
+        True,
+    )
+    assert (
+        ll.settings.max_tokens,
+        ll.settings.output_max_tokens,
+        ll.settings.max_lines,
+        ll.settings.suggestion_timeout,
+    ) == (
         128,
         128,
         30,
         5.0,
     )
-    assert (ll.temperature, ll.sample_temperature, ll.seed) == (0.0, 0.8, 0)
+    assert (ll.settings.temperature, ll.settings.sample_temperature, ll.settings.seed) == (
+        0.0,
+        0.8,
+        0,
+    )
     from jupyter_themisto.backends.prompts import PromptOptions
 
     assert ll.prompt_options == PromptOptions()
     # max_prompt_tokens shrinks to fit a small window, as before.
-    assert create_backend("llamacpp", {"n_ctx": 512}).max_prompt_tokens == 512 - 128
+    assert create_backend("llamacpp", {"n_ctx": 512}).settings.prompt_budget() == 512 - 128
     p = create_backend("preview")
-    assert (p.timeout, p.memory_mb, p.cpu_seconds, p.busy_wait, p.fallback_name) == (
+    assert (
+        p.settings.timeout,
+        p.settings.memory_mb,
+        p.settings.cpu_seconds,
+        p.settings.busy_wait,
+        p.settings.fallback,
+    ) == (
         5.0,
         1024,
         10,
         1.0,
         None,
     )
-    assert create_backend("preview", {"fallback": ""}).fallback_name is None
-    assert create_backend("ret-train").max_trajectories == 1000
+    assert create_backend("preview", {"fallback": ""}).settings.fallback is None
+    assert create_backend("ret-train").settings.max_trajectories == 1000
     assert create_backend("seq2seq").settings.max_input_tokens is None
 
 

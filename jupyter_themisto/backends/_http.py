@@ -251,16 +251,6 @@ class HTTPPredictor(Predictor):
         given = s.api_key.get_secret_value() if s.api_key is not None else ""
         self._api_key = given or os.environ.get(self.api_key_env) or ""
         self.model = s.model or self.default_model
-        self.timeout = s.timeout
-        self.connect_timeout = s.connect_timeout
-        self.max_retries = s.max_retries
-        self.backoff = s.backoff
-        self.max_backoff = s.max_backoff
-        self.max_tokens = s.max_tokens
-        self.temperature = s.temperature
-        self.max_line_bytes = s.max_line_bytes
-        self.max_event_bytes = s.max_event_bytes
-        self.max_response_bytes = s.max_response_bytes
         self._client: httpx.AsyncClient | None = None
 
     # -- helpers -----------------------------------------------------------------------------
@@ -274,7 +264,7 @@ class HTTPPredictor(Predictor):
     def client(self) -> httpx.AsyncClient:
         if self._client is None or self._client.is_closed:
             self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
+                timeout=httpx.Timeout(self.settings.timeout, connect=self.settings.connect_timeout),
                 follow_redirects=False,
             )
         return self._client
@@ -331,11 +321,16 @@ class HTTPPredictor(Predictor):
                 ) as resp:
                     if resp.status_code >= 400:
                         body = await read_at_most(resp)
-                        if resp.status_code in RETRY_STATUSES and attempt < self.max_retries:
+                        if (
+                            resp.status_code in RETRY_STATUSES
+                            and attempt < self.settings.max_retries
+                        ):
                             wait = retry_after_seconds(resp.headers)
                             if wait is None:
-                                wait = self.backoff * (2**attempt) * (1 + random.random() / 4)
-                            if wait <= self.max_backoff:
+                                wait = (
+                                    self.settings.backoff * (2**attempt) * (1 + random.random() / 4)
+                                )
+                            if wait <= self.settings.max_backoff:
                                 delay = wait
                         if delay is None:
                             status = resp.status_code
@@ -351,23 +346,26 @@ class HTTPPredictor(Predictor):
                                 )
                             )
                         lines = bounded_lines(
-                            decoded_chunks(resp, self.max_line_bytes),
-                            max_line=self.max_line_bytes,
-                            max_total=self.max_response_bytes,
+                            decoded_chunks(resp, self.settings.max_line_bytes),
+                            max_line=self.settings.max_line_bytes,
+                            max_total=self.settings.max_response_bytes,
                             who=self.name,
                         )
-                        events = iter_sse(lines, max_event=self.max_event_bytes, who=self.name)
+                        events = iter_sse(
+                            lines, max_event=self.settings.max_event_bytes, who=self.name
+                        )
                         async for event in events:
                             yield event
                         return
             except httpx.TimeoutException as e:
+                limit = self.settings.timeout
                 raise BackendTimeout(
-                    f"{self.name}: no answer from {self.base_url} within {self.timeout:g} s"
+                    f"{self.name}: no answer from {self.base_url} within {limit:g} s"
                     f" ({type(e).__name__}); raise the backend's timeout or check the server"
                 ) from None
             except httpx.ConnectError as e:
-                if attempt < self.max_retries:
-                    delay = self.backoff * (2**attempt)
+                if attempt < self.settings.max_retries:
+                    delay = self.settings.backoff * (2**attempt)
                 else:
                     raise BackendError(
                         self.scrub(f"{self.name}: cannot connect to {self.base_url}: {e}")
@@ -386,7 +384,7 @@ class HTTPPredictor(Predictor):
                 self.name,
                 delay,
                 attempt,
-                self.max_retries,
+                self.settings.max_retries,
             )
             await asyncio.sleep(delay or 0)
 

@@ -263,15 +263,7 @@ class LocalModelPredictor(Predictor):
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        s = self.settings
-        self.max_tokens = s.max_tokens
-        self.output_max_tokens = s.output_max_tokens
-        self.max_lines = s.max_lines
-        self.suggestion_timeout = s.suggestion_timeout
-        self.temperature = s.temperature
-        self.sample_temperature = s.sample_temperature
-        self.seed = s.seed
-        self.prompt_options = s.prompt_options()
+        self.prompt_options = self.settings.prompt_options()
         self._retrieval: Predictor | None = None
         #: answers ended by suggestion_timeout (for health details and tests)
         self.timed_out = 0
@@ -333,10 +325,10 @@ class LocalModelPredictor(Predictor):
         `suggestion_timeout`) seconds after it was asked for (waiting for a free slot included;
         loading the model not). An answer ended by its time sets `status["timed_out"]`."""
         model = await self._model()
-        job = replace(job, time_limit=job.time_limit or self.suggestion_timeout)
+        job = replace(job, time_limit=job.time_limit or self.settings.suggestion_timeout)
         scanner = StopScanner(job.stops)
         fences = FenceStripper()
-        bounds = AnswerBounds(max_lines=self.max_lines)
+        bounds = AnswerBounds(max_lines=self.settings.max_lines)
 
         def run(cancelled: threading.Event, emit: Callable[[str], None]) -> None:
             self.run(model, job, cancelled, emit)
@@ -391,18 +383,24 @@ class LocalModelPredictor(Predictor):
         dropped: list[str] = []
         # The first suggestion has suggestion_timeout in all, stand-ins for a dropped greedy
         # answer included; each further one has its own.
-        first_deadline = time.monotonic() + self.suggestion_timeout
+        first_deadline = time.monotonic() + self.settings.suggestion_timeout
         await self._settle(ctx)
         first: Candidate | None = None
         busy = False
         for attempt in range(3):
             limit = first_deadline - time.monotonic()
             if limit <= 0.05:
-                dropped.append(f"no answer within {self.suggestion_timeout:g} s")
+                dropped.append(f"no answer within {self.settings.suggestion_timeout:g} s")
                 break
-            temperature = self.temperature if attempt == 0 else self.sample_temperature
+            temperature = (
+                self.settings.temperature if attempt == 0 else self.settings.sample_temperature
+            )
             job = Completion.of(
-                prompt, self.max_tokens, temperature, self.seed + attempt, time_limit=limit
+                prompt,
+                self.settings.max_tokens,
+                temperature,
+                self.settings.seed + attempt,
+                time_limit=limit,
             )
             status: dict[str, bool] = {}
             text, sent = "", 0
@@ -413,7 +411,9 @@ class LocalModelPredictor(Predictor):
                     sent = len(text)
             why = degenerate_reason(text, previous)
             if status.get("timed_out") and not text.strip():
-                why = f"no answer within {self.suggestion_timeout:g} s (suggestion_timeout)"
+                why = (
+                    f"no answer within {self.settings.suggestion_timeout:g} s (suggestion_timeout)"
+                )
             if why is None or sent:  # (one streamed already cannot turn out degenerate)
                 first = Candidate(text, "greedy" if attempt == 0 else "sampled")
                 yield NextCellChunk(index=0, text=text[sent:], done=True)
@@ -428,7 +428,10 @@ class LocalModelPredictor(Predictor):
         candidates = [first] if first is not None else []
         for attempt in range(3, 3 + (0 if busy else wanted - 1)):
             job = Completion.of(
-                prompt, self.max_tokens, self.sample_temperature, self.seed + attempt
+                prompt,
+                self.settings.max_tokens,
+                self.settings.sample_temperature,
+                self.settings.seed + attempt,
             )
             status = {}
             text = "".join([piece async for piece in self._complete(job, status)])
@@ -473,7 +476,12 @@ class LocalModelPredictor(Predictor):
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         if not (ctx.target_source or "").strip():
             raise NoPrediction("there is no cell source to predict the output of")
-        job = Completion.of(output_prompt(ctx), self.output_max_tokens, self.temperature, self.seed)
+        job = Completion.of(
+            output_prompt(ctx),
+            self.settings.output_max_tokens,
+            self.settings.temperature,
+            self.settings.seed,
+        )
         got = False
         async for text in self._complete(job):
             got = True
@@ -512,7 +520,7 @@ class LocalModelPredictor(Predictor):
         task = self._warming.get(_notebook_key(ctx))
         if task is not None and not task.done():
             try:
-                await asyncio.wait_for(asyncio.shield(task), self.suggestion_timeout / 2)
+                await asyncio.wait_for(asyncio.shield(task), self.settings.suggestion_timeout / 2)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - only a head start
                 pass
 

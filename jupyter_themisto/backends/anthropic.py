@@ -58,8 +58,8 @@ class AnthropicPredictor(HTTPPredictor):
         instructions, prompt = render_prompt(ctx, task)
         payload = {
             "model": self.model,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
+            "max_tokens": self.settings.max_tokens,
+            "temperature": self.settings.temperature,
             "system": instructions,
             "messages": [{"role": "user", "content": prompt}],
             "stream": True,

@@ -155,7 +155,6 @@ class RetTrainPredictor(Predictor):
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        self.max_trajectories = self.settings.max_trajectories
         self._lock = threading.Lock()
         self._built_for: int | None = None
         # next-cell pairs: (previous cell -> next cell); output pairs: (cell -> its output)
@@ -176,7 +175,7 @@ class RetTrainPredictor(Predictor):
             cell_docs: list[list[str]] = []
             outs: list[str] = []
             out_origin: list[str] = []
-            for t in store.list_trajectories(limit=self.max_trajectories):
+            for t in store.list_trajectories(limit=self.settings.max_trajectories):
                 rows = [r for r in store.list_executions(t["id"]) if r["source"].strip()]
                 for i, r in enumerate(rows):
                     cell_docs.append(tokens(r["source"]))

@@ -150,14 +150,7 @@ class LlamaCppPredictor(LocalModelPredictor):
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
-        s = self.settings
-        self.model_name = s.model
-        self.n_ctx = s.n_ctx
-        self.parallel = s.parallel
-        self.n_threads = s.n_threads or default_threads()
-        self.cache_ram_mb = s.cache_ram_mb
-        self.flash_attn = s.flash_attn
-        self.max_prompt_tokens = s.prompt_budget()
+        self.n_threads = self.settings.n_threads or default_threads()
 
     # -- the model file ------------------------------------------------------------------------
 
@@ -170,7 +163,7 @@ class LlamaCppPredictor(LocalModelPredictor):
                 raise BackendUnavailable(f"llamacpp: no model file at {path} (model_path)")
             return path
         try:
-            return model_files.ensure_model(model_files.model_spec(self.model_name))
+            return model_files.ensure_model(model_files.model_spec(self.settings.model))
         except model_files.ModelFileError as e:
             raise BackendUnavailable(f"llamacpp: {e}") from None
         except OSError as e:
@@ -182,11 +175,11 @@ class LlamaCppPredictor(LocalModelPredictor):
         return (
             "llamacpp",
             str(path.resolve()),
-            self.n_ctx,
-            self.parallel,
+            self.settings.n_ctx,
+            self.settings.parallel,
             self.n_threads,
-            self.flash_attn,
-            self.cache_ram_mb,
+            self.settings.flash_attn,
+            self.settings.cache_ram_mb,
         )
 
     def shared(self) -> SharedModel:
@@ -201,18 +194,18 @@ class LlamaCppPredictor(LocalModelPredictor):
         def load() -> Any:
             params = xllamacpp.CommonParams()
             params.model.path = str(path)
-            params.n_ctx = self.n_ctx * self.parallel  # shared by the slots
-            params.n_parallel = self.parallel
-            params.n_predict = max(self.max_tokens, self.output_max_tokens)
+            params.n_ctx = self.settings.n_ctx * self.settings.parallel  # shared by the slots
+            params.n_parallel = self.settings.parallel
+            params.n_predict = max(self.settings.max_tokens, self.settings.output_max_tokens)
             params.cpuparams.n_threads = self.n_threads
             params.cpuparams_batch.n_threads = self.n_threads
-            params.cache_ram_mib = self.cache_ram_mb
+            params.cache_ram_mib = self.settings.cache_ram_mb
             params.flash_attn_type = (
                 xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
-                if self.flash_attn
+                if self.settings.flash_attn
                 else xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
-            params.sampling.seed = self.seed
+            params.sampling.seed = self.settings.seed
             params.verbosity = -1
             # The engine's HTTP listener cannot be turned off: loopback, a free port, and a key
             # nobody outside this process knows; no web page, no slot or metrics endpoints.
@@ -231,7 +224,9 @@ class LlamaCppPredictor(LocalModelPredictor):
             return server
 
         details: dict[str, Any] = {}
-        return shared_model(self.model_key(path), load, slots=self.parallel, details=details)
+        return shared_model(
+            self.model_key(path), load, slots=self.settings.parallel, details=details
+        )
 
     def fim_tokens(self, model: SharedModel) -> FimTokens | None:
         """Qwen2.5-Coder's FIM tokens when the model's vocabulary has them as special tokens
@@ -243,7 +238,7 @@ class LlamaCppPredictor(LocalModelPredictor):
 
     def request(self, job: Completion, *, stream: bool = True) -> dict[str, Any]:
         """The llama.cpp server completion request for `job`."""
-        max_chars = int(self.max_prompt_tokens * CHARS_PER_TOKEN)
+        max_chars = int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
         if job.suffix is not None:
             # Fill in the middle: the prefix keeps its end, the suffix its beginning, and the
             # FIM tokens stay around them.
@@ -318,7 +313,7 @@ class LlamaCppPredictor(LocalModelPredictor):
             except BackendUnavailable as e:
                 return {"ok": False, "detail": str(e)}
         else:
-            spec = model_files.model_spec(self.model_name)
+            spec = model_files.model_spec(self.settings.model)
             found = model_files.find_model(spec)
             if found is None:
                 if not model_files.parts_installed(spec):
@@ -340,7 +335,8 @@ class LlamaCppPredictor(LocalModelPredictor):
         state = f"loaded in {loaded.load_seconds:.1f} s" if loaded else "loads on first use"
         return {
             "ok": True,
-            "detail": f"{path.name} ({state}, {self.n_threads} threads, {self.parallel} slots)",
+            "detail": f"{path.name} ({state}, {self.n_threads} threads,"
+            f" {self.settings.parallel} slots)",
         }
 
 

@@ -67,13 +67,13 @@ class OpenAIPredictor(HTTPPredictor):
         payload: dict[str, Any] = {
             "model": self.model,
             "stream": True,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
+            "max_tokens": self.settings.max_tokens,
+            "temperature": self.settings.temperature,
         }
         if n > 1:
             payload["n"] = n
             # n samples at temperature 0 would all be the same suggestion.
-            payload["temperature"] = max(self.temperature, 0.7)
+            payload["temperature"] = max(self.settings.temperature, 0.7)
         if self.api == "chat":
             payload["messages"] = [
                 {"role": "system", "content": instructions},

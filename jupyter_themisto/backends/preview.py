@@ -101,12 +101,6 @@ class PreviewPredictor(Predictor):
 
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None):
         super().__init__(config, env)
-        s = self.settings
-        self.timeout = s.timeout
-        self.memory_mb = s.memory_mb
-        self.cpu_seconds = s.cpu_seconds
-        self.busy_wait = s.busy_wait
-        self.fallback_name = s.fallback
         self._fallback: Predictor | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         #: what the last preview reported (for the host's logs and for tests)
@@ -178,7 +172,7 @@ class PreviewPredictor(Predictor):
         the state from the kernel's status messages, which arrive after the replies they
         follow: right after a preview (or a cell) has answered, the state still says "busy"
         for a moment although the kernel is idle."""
-        deadline = time.monotonic() + self.busy_wait
+        deadline = time.monotonic() + self.settings.busy_wait
         while True:
             state = getattr(kernel, "execution_state", "idle")
             if state == "idle" or time.monotonic() >= deadline:
@@ -195,16 +189,16 @@ class PreviewPredictor(Predictor):
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
         try:
             # A preview being cancelled (superseded by this one) ends within moments.
-            await asyncio.wait_for(lock.acquire(), max(self.busy_wait, 0.1))
+            await asyncio.wait_for(lock.acquire(), max(self.settings.busy_wait, 0.1))
         except TimeoutError:
             raise NoPrediction("kernel busy: another preview is running") from None
         try:
             token = secrets.token_hex(16)
             expr = (
                 "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
-                f".run_preview({source!r}, timeout={self.timeout!r}, "
-                f"memory_mb={self.memory_mb!r}, cpu_seconds={self.cpu_seconds!r}, "
-                f"cancel={token!r})"
+                f".run_preview({source!r}, timeout={self.settings.timeout!r}, "
+                f"memory_mb={self.settings.memory_mb!r}, "
+                f"cpu_seconds={self.settings.cpu_seconds!r}, cancel={token!r})"
             )
             content = {
                 "code": "",
@@ -221,7 +215,7 @@ class PreviewPredictor(Predictor):
                     self._roundtrip,
                     kernel.get_connection_info(),
                     content,
-                    self.timeout + 30,
+                    self.settings.timeout + 30,
                     abandon,
                 )
             )
@@ -301,7 +295,7 @@ class PreviewPredictor(Predictor):
         yield OutputChunk(text=text, metadata=meta)
 
     def _fallback_backend(self) -> Predictor | None:
-        if self.fallback_name is None:
+        if self.settings.fallback is None:
             return None
         if self._fallback is None:
             from .registry import create_backend
@@ -309,8 +303,8 @@ class PreviewPredictor(Predictor):
             own = self.settings.fallback_config
             if own is None and self.env.lookup is not None:
                 # The host's instance: its settings, its loaded model (closed by the host).
-                return self.env.lookup(self.fallback_name)
-            self._fallback = create_backend(self.fallback_name, own, self.env)
+                return self.env.lookup(self.settings.fallback)
+            self._fallback = create_backend(self.settings.fallback, own, self.env)
         return self._fallback
 
     async def health(self) -> dict[str, Any]:

@@ -109,9 +109,6 @@ class RetrievalPredictor(Predictor):
         super().__init__(config, env)
         s = self.settings
         self.corpus_dir = Path(s.corpus_dir).expanduser() if s.corpus_dir else None
-        self.history = s.history
-        self.max_trajectories = s.max_trajectories
-        self.context_cells = s.context_cells
         self._index: _Index | None = None
         self._index_key: Any = None
         self._lock = threading.Lock()
@@ -119,7 +116,6 @@ class RetrievalPredictor(Predictor):
         self._history_docs: dict[str, tuple[int, list[tuple[list[str], str]]]] = {}
         self._build_seconds = 0.0
         self._refresh: asyncio.Future[Any] | None = None
-        self.sync_rebuild_seconds = s.sync_rebuild_seconds
 
     async def health(self) -> dict[str, Any]:
         if self.corpus_dir is not None and not self.corpus_dir.is_dir():
@@ -139,7 +135,7 @@ class RetrievalPredictor(Predictor):
         """
         out = []
         for i, cell in enumerate(cells):
-            tokens = self._context_tokens(cells[max(0, i - self.context_cells) : i])
+            tokens = self._context_tokens(cells[max(0, i - self.settings.context_cells) : i])
             tokens += ["v:" + t for t in set(_IDENT.findall(cell))]
             if tokens:
                 out.append((tokens, cell))
@@ -147,11 +143,11 @@ class RetrievalPredictor(Predictor):
 
     def _sequences(self) -> Iterable[tuple[str, list[tuple[list[str], str]]]]:
         store = self.env.store
-        if self.history and store is not None:
+        if self.settings.history and store is not None:
             # Documents of a trajectory are kept while its length is unchanged: a new
             # execution re-reads only its own trajectory.
             fresh: dict[str, tuple[int, list[tuple[list[str], str]]]] = {}
-            for t in store.list_trajectories(limit=self.max_trajectories):
+            for t in store.list_trajectories(limit=self.settings.max_trajectories):
                 cached = self._history_docs.get(t["id"])
                 if cached is None or cached[0] != t["n_executions"]:
                     rows = store.list_executions(t["id"])
@@ -169,7 +165,7 @@ class RetrievalPredictor(Predictor):
     def _context_tokens(self, before: list[str]) -> list[str]:
         # The closest cell counts double: what was just run says most about what comes next.
         out: list[str] = []
-        for distance, cell in enumerate(reversed(before[-self.context_cells :])):
+        for distance, cell in enumerate(reversed(before[-self.settings.context_cells :])):
             toks = ["c:" + t for t in tokenize(cell)]
             out += toks * (2 if distance == 0 else 1)
         return out
@@ -191,7 +187,7 @@ class RetrievalPredictor(Predictor):
 
     def _key(self) -> int:
         store = self.env.store
-        return store.count_executions() if (self.history and store is not None) else 0
+        return store.count_executions() if (self.settings.history and store is not None) else 0
 
     def index(self) -> _Index:
         """The index, rebuilt when the store has new executions (cheap check: a count)."""
@@ -208,9 +204,10 @@ class RetrievalPredictor(Predictor):
         """The index for a request. A small history is re-indexed before answering; a large
         one answers from the index it has while a rebuild runs in the background: the newest
         executions matter as the query (taken from the request), hardly as documents."""
-        key = await asyncio.to_thread(self._key) if self._index is None else self._key()
+        # The count is a store query: off the event loop, as every store call.
+        key = await asyncio.to_thread(self._key)
         if self._index is None or (
-            key != self._index_key and self._build_seconds <= self.sync_rebuild_seconds
+            key != self._index_key and self._build_seconds <= self.settings.sync_rebuild_seconds
         ):
             return await asyncio.to_thread(self.index)
         if key != self._index_key and (self._refresh is None or self._refresh.done()):
