@@ -204,7 +204,7 @@ def test_defaults_are_unchanged(monkeypatch):
     ) == (
         50.0,  # (issue 12: a preview runs as long as a long cell would, still bounded)
         1024,
-        10,
+        60,
         1.0,
         None,
     )

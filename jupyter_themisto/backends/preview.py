@@ -44,7 +44,11 @@ class PreviewSettings(BackendSettings):
     memory_mb: int = Field(
         1024, gt=0, description="memory the preview may take beyond the kernel's, in MB"
     )
-    cpu_seconds: int = Field(10, gt=0, description="CPU seconds the preview may use")
+    cpu_seconds: int = Field(
+        60,
+        gt=0,
+        description="CPU seconds the preview may use (at least `timeout`: a long cell runs)",
+    )
     busy_wait: float = Field(
         1.0,
         ge=0,

@@ -38,7 +38,8 @@ from . import sandbox
 #: as long as a long cell would run, still bounded (below the server's prediction_timeout, 60 s)
 DEFAULT_TIMEOUT = 50.0
 DEFAULT_MEMORY_MB = 1024
-DEFAULT_CPU_SECONDS = 10
+#: at least the wall-clock bound: a CPU-bound long cell is stopped by `timeout`, not sooner
+DEFAULT_CPU_SECONDS = 60
 #: the most JSON a child sends back (outputs beyond it are cut)
 MAX_PAYLOAD = 4 * 2**20
 #: the most the kernel reads from a preview (more: the preview is killed and stopped)
