@@ -21,7 +21,7 @@ materialized by benchmarks/corpus.py), real notebooks written by others; without
 notebooks given, or benchmarks/notebooks.
 
 Run: nice .venv/bin/python benchmarks/preview_exact_match.py --corpus [--every K] [--limit N]
-     [--only SUBSTRING] [--backends preview,repeat-previous] [--timeout 5] [--misses N]
+     [--only SUBSTRING] [--backends preview,repeat-previous] [--timeout 50] [--misses N]
      .venv/bin/python benchmarks/preview_exact_match.py [notebooks...]
 """
 
@@ -43,6 +43,7 @@ import nbformat
 from jupyter_client.manager import AsyncKernelManager
 
 from jupyter_themisto.backends.base import BackendEnv, BackendError, NoPrediction
+from jupyter_themisto.backends.preview import PreviewSettings
 from jupyter_themisto.backends.registry import create_backend
 from jupyter_themisto.context import build_context, outputs_to_text
 from jupyter_themisto.store import TrajectoryStore
@@ -218,7 +219,12 @@ async def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="at most N notebooks")
     ap.add_argument("--only", default="", help="only notebooks whose path holds this")
     ap.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
-    ap.add_argument("--timeout", type=float, default=5.0, help="the preview's timeout (s)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=PreviewSettings.model_fields["timeout"].default,
+        help="the preview's timeout (s; default: the backend's)",
+    )
     ap.add_argument("--cell-timeout", type=float, default=120.0, help="a real cell's limit (s)")
     ap.add_argument("--notebook-timeout", type=float, default=600.0, help="per notebook (s)")
     ap.add_argument("--misses", type=int, default=0, help="print the first N preview misses")

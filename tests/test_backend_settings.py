@@ -202,9 +202,9 @@ def test_defaults_are_unchanged(monkeypatch):
         p.settings.busy_wait,
         p.settings.fallback,
     ) == (
-        5.0,
+        50.0,  # (issue 12: a preview runs as long as a long cell would, still bounded)
         1024,
-        10,
+        60,
         1.0,
         None,
     )

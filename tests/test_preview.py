@@ -190,19 +190,103 @@ def test_c_level_calls_stay_inside(kernel, workdir):
     assert not target.exists() and not marker.exists()
 
 
-def test_a_file_open_for_writing_in_the_kernel_stops_the_preview(kernel, workdir):
+def test_a_file_open_for_writing_in_the_kernel_gets_a_private_copy(kernel, workdir):
     inherited = workdir / "open-handle.txt"
-    kernel.run(f"fh = open({str(inherited)!r}, 'w')\nfh.write('kept'); fh.flush()")
-    reply = kernel.preview("fh.write('from the preview'); fh.flush()")
-    assert reply["stopped"] == [
-        f"use a file open for writing ({inherited}), which the kernel holds open"
-    ], reply
-    reply = kernel.preview("import os\nos.write(fh.fileno(), b'raw')")
+    kernel.run(
+        f"fh = open({str(inherited)!r}, 'w')\nfh.write('kept'); fh.flush()\n"
+        f"bh = open({str(inherited)!r}, 'r+b')\nhandles = [fh]"
+    )
+    before = (inherited.read_bytes(), inherited.stat().st_mtime_ns, inherited.stat().st_mode)
+    offset = kernel.value("fh.tell(), bh.tell()")
+    # The cell writes to its copy and reads back what it wrote, as the real run would.
+    reply = kernel.preview(
+        f"fh.write(' and more'); fh.flush()\nprint(open({str(inherited)!r}).read())\n"
+        "import os\nos.write(handles[0].fileno(), b'!')\nbh.seek(0); bh.write(b'K')\n"
+        "bh.truncate(2); bh.flush(); os.fsync(bh.fileno())\n"
+        f"print(open({str(inherited)!r}).read(), fh.tell())"
+    )
+    assert reply["stopped"] == [], reply
+    assert text_of(reply) == "kept and more\nKe 14\n", reply
+    assert (
+        "1 copied" in reply["sandbox"]["descriptors"]
+        or "2 copied" in reply["sandbox"]["descriptors"]
+    ), reply["sandbox"]
+    after = (inherited.read_bytes(), inherited.stat().st_mtime_ns, inherited.stat().st_mode)
+    assert after == before
+    assert kernel.value("fh.tell(), bh.tell()") == offset
+    kernel.run("fh.write('!'); fh.flush()")  # the kernel's own handle writes on where it was
+    assert inherited.read_text() == "kept!"
+    # A handle the namespace does not show (a descriptor only) is still a stub.
+    kernel.run(f"import os\nraw = os.open({str(inherited)!r}, os.O_WRONLY)")
+    reply = kernel.preview("os.write(raw, b'raw')")
     assert reply["stopped"] == [
         "use a descriptor the kernel holds open (a socket, a pipe or a file open for writing)"
     ], reply
-    kernel.run("fh.close()")
-    assert inherited.read_text() == "kept"
+    kernel.run("fh.close(); bh.close(); os.close(raw)")
+    assert inherited.read_text() == "kept!"
+
+
+def test_a_cell_that_waits_for_input_is_not_previewed(kernel):
+    for cell in (
+        "print('before')\nname = input('Your name? ')\nprint('hello', name)",
+        "import getpass\npw = getpass.getpass('Password: ')",
+    ):
+        reply = kernel.preview(cell)
+        assert reply["stopped"] == ["wait for input"], reply
+        assert "EOF" not in str(reply) and "Your name?" not in str(reply)
+    assert kernel.value("'name' in dir(), 'pw' in dir()") == "(False, False)"
+
+
+def _running_children(kernel) -> list[psutil.Process]:
+    # (the recorder's finished snapshot children may linger as zombies)
+    return [
+        c
+        for c in psutil.Process(kernel.pid).children(recursive=True)
+        if c.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def test_a_long_cell_is_previewed_to_its_end(kernel):
+    # Longer than the old 5 s bound: the default lets a long cell run as it would.
+    reply = kernel.preview("import time\ntime.sleep(5.5)\nprint('done')")
+    assert reply["stopped"] == [] and text_of(reply) == "done\n", reply
+
+
+def test_a_cancelled_preview_ends_at_once_with_all_its_processes(kernel):
+    from jupyter_themisto.kernel.preview import cancel_preview
+
+    deadline = time.monotonic() + 30
+    while _running_children(kernel):  # the recorder's snapshot of the last real cell
+        assert time.monotonic() < deadline, _running_children(kernel)
+        time.sleep(0.05)
+    assert not cancel_preview("nosuchpreview")
+    token = "a" * 32
+    cell = "import subprocess, time\np = subprocess.Popen(['sleep', '300'])\ntime.sleep(300)"
+    expr = (
+        "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
+        f".run_preview({cell!r}, cancel={token!r})"
+    )
+    msg_id = kernel.kc.execute(
+        "", silent=True, store_history=False, user_expressions={"p": expr}, allow_stdin=False
+    )
+    while not any("sleep" in c.name() for c in _running_children(kernel)):
+        assert time.monotonic() < deadline, "the preview's process never started"
+        time.sleep(0.05)
+    started = time.monotonic()
+    assert cancel_preview(token)
+    while True:
+        reply = kernel.kc.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    assert time.monotonic() - started < 10  # not the preview's 50 s timeout
+    result = reply["content"]["user_expressions"]["p"]["data"]["application/json"]
+    assert result["status"] == "cancelled", result
+    deadline = time.monotonic() + 10
+    while _running_children(kernel):  # the first process, its monitor and `sleep 300`
+        assert time.monotonic() < deadline, _running_children(kernel)
+        time.sleep(0.05)
+    assert not cancel_preview(token)  # nothing listens any more
+    assert kernel.value("xs") == "[1, 2, 3]"
 
 
 def test_a_file_open_for_reading_reads_on_without_moving_the_kernels_offset(kernel, workdir):

@@ -60,6 +60,24 @@ logf.write("kernel line\n"); logf.flush()
 rf = open("@WORK@/lines.txt")
 first = rf.readline()
 rwf = open("@WORK@/rw.bin", "r+b")
+rwf.seek(100)
+import io
+_kernel_pid = os.getpid()
+class _Trap(io.TextIOWrapper):
+    # (a handle whose methods write a file in a preview: the preview looks for the files to
+    # copy before it is isolated, and must run none of them then)
+    def fileno(self):
+        if os.getpid() != _kernel_pid:
+            open("@WORK@/trap.log", "a").write("ESCAPED\n")
+        return 1
+    @property
+    def __class__(self):
+        if os.getpid() != _kernel_pid:
+            open("@WORK@/trap.log", "a").write("ESCAPED\n")
+        return io.FileIO
+trap = _Trap(io.BytesIO()); traps = [trap]; trapd = {"t": trap}
+import fcntl
+fcntl.flock(rwf.fileno(), fcntl.LOCK_SH)
 mm = np.memmap("@WORK@/mm.bin", dtype="uint8", mode="r+", shape=(4096,))
 am = mmap.mmap(-1, 4096)
 am[:8] = b"ORIGINAL"
@@ -126,6 +144,10 @@ class World:
         self.peer.sendall(b"PENDING-DATA")  # unread by the kernel: a preview must not take it
         self.peer.setblocking(False)
         self.rf_fd = int(self.kernel.value("rf.fileno()"))
+        #: the kernel's files open for writing: the preview gets private copies of them
+        self.written = {
+            name: int(self.kernel.value(f"{name}.fileno()")) for name in ("logf", "rwf")
+        }
         self.sock_port = int(self.kernel.value("sock.getsockname()[1]"))
         self.clock = time.time() - time.monotonic()
         self.children = [c.pid for c in psutil.Process(self.kernel.pid).children(recursive=True)]
@@ -191,6 +213,17 @@ def observe(w: World) -> dict[str, Any]:
         if name.startswith("RLIMIT_")
     }
     pos = Path(f"/proc/{k.pid}/fdinfo/{w.rf_fd}").read_text().split()[1]
+    # The offsets and flags of the kernel's files open for writing, and the locks on them.
+    written = {
+        name: Path(f"/proc/{k.pid}/fdinfo/{fd}").read_text().split("\n")[:2]
+        for name, fd in w.written.items()
+    }
+    inodes = {f":{(w.work / n).stat().st_ino} " for n in ("append.log", "rw.bin")}
+    locks = [
+        line.split(":", 1)[1]
+        for line in Path("/proc/locks").read_text().splitlines()
+        if any(i in line for i in inodes)
+    ]
     files = {
         str(p.relative_to(w.work)): _file_state(p)
         for p in sorted(w.work.rglob("*"))
@@ -246,6 +279,8 @@ def observe(w: World) -> dict[str, Any]:
         "rlimits": rlimits,
         "scheduler": os.sched_getscheduler(k.pid),
         "offset": pos,
+        "written": written,
+        "locks": locks,
         "socket queue": _queue(w.sock_port),
         "files": files,
         "system": system,
@@ -299,7 +334,10 @@ CELLS: list[tuple[str, str]] = [
         "F_DUPFD a kernel file",
         "import fcntl\nfd = fcntl.fcntl(logf.fileno(), fcntl.F_DUPFD, 100)\nos.write(fd, b'ESCAPED\\n')",
     ),
-    ("write the open log", "logf.write('ESCAPED\\n'); logf.flush()"),
+    (
+        "write the open log",
+        "logf.write('ESCAPED\\n'); logf.flush()\nprint(open('@WORK@/append.log').read(), end='')",
+    ),
     (
         "libc write to every descriptor",
         "for fd in range(0, 300):\n    libc.write(fd, b'ESCAPED\\n', 8)\nprint('done')",
@@ -332,7 +370,10 @@ CELLS: list[tuple[str, str]] = [
         "reopen a kernel descriptor through /proc for writing",
         "for fd in range(3, 300):\n    try: open(f'/proc/self/fd/{fd}', 'a').write('ESCAPED')\n    except Exception: pass\nprint('done')",
     ),
-    ("write through the read-write handle", "rwf.seek(0); rwf.write(b'ESCAPED'); rwf.flush()"),
+    (
+        "write through the read-write handle",
+        "rwf.seek(0); rwf.write(b'ESCAPED'); rwf.flush()\nprint(open('@WORK@/rw.bin', 'rb').read(9))",
+    ),
     ("truncate the read-write handle", "os.ftruncate(rwf.fileno(), 0)"),
     ("fallocate punch hole", "report('fallocate', sc('fallocate', rwf.fileno(), 3, 0, 4096))"),
     (
@@ -738,6 +779,59 @@ CELLS: list[tuple[str, str]] = [
         "shut the kernel down from the preview",
         "get_ipython().kernel.do_shutdown(False)\nimport sys; sys.exit(0)",
     ),
+    # -- files the kernel holds open for writing: the preview writes to its private copy ------
+    (
+        "copy: os.write through the inherited descriptor",
+        "os.write(logf.fileno(), b'ESCAPED\\n')\nprint(open('@WORK@/append.log').read(), end='')",
+    ),
+    (
+        "copy: seek and write at the kernel's offset",
+        "print(rwf.tell(), end=' ')\nrwf.write(b'ESCAPED'); rwf.flush()\nf = open('@WORK@/rw.bin', 'rb'); f.seek(98); print(f.read(9))",
+    ),
+    (
+        "copy: truncate and fsync",
+        "rwf.truncate(10); rwf.flush(); os.fsync(rwf.fileno()); os.fdatasync(logf.fileno())\nos.sync(); libc.syncfs(rwf.fileno())\nprint(os.stat('@WORK@/rw.bin').st_size, os.fstat(rwf.fileno()).st_size)",
+    ),
+    (
+        "copy: MAP_SHARED write and msync",
+        "m = mmap.mmap(rwf.fileno(), 4096, mmap.MAP_SHARED)\nm[:7] = b'ESCAPED'; m.flush(); m.close()\nprint(open('@WORK@/rw.bin', 'rb').read(8))",
+    ),
+    (
+        "copy: append mode kept",
+        "import fcntl\nappend = bool(fcntl.fcntl(logf.fileno(), fcntl.F_GETFL) & os.O_APPEND)\nos.lseek(logf.fileno(), 0, 0); os.write(logf.fileno(), b'ESCAPED')\nprint(append, open('@WORK@/append.log').read())",
+    ),
+    (
+        "copy: re-open through /proc/self/fd for writing",
+        "for fd in (logf.fileno(), rwf.fileno()):\n    with open(f'/proc/self/fd/{fd}', 'w') as f: f.write('ESCAPED')\nprint(open('@WORK@/append.log').read())",
+    ),
+    (
+        "copy: flock upgrade and unlock",
+        "import fcntl\nfcntl.flock(rwf.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB); print('locked', end=' ')\nfcntl.flock(rwf.fileno(), fcntl.LOCK_UN); fcntl.flock(logf.fileno(), fcntl.LOCK_EX); print('unlocked')",
+    ),
+    (
+        "copy: POSIX lock on the whole file",
+        "import fcntl\nfcntl.lockf(rwf.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB); print('locked')\nimport time; time.sleep(0.5)",
+    ),
+    (
+        "copy: descriptor flags changed",
+        "import fcntl\nfcntl.fcntl(logf.fileno(), fcntl.F_SETFL, 0)\nfcntl.fcntl(rwf.fileno(), fcntl.F_SETFL, os.O_APPEND | os.O_NONBLOCK)\nprint(True)",
+    ),
+    (
+        "copy: chmod and utime through the descriptor",
+        "os.fchmod(rwf.fileno(), 0o600); os.utime(rwf.fileno(), (0, 0))\nprint(oct(os.stat('@WORK@/rw.bin').st_mode & 0o777))",
+    ),
+    (
+        "copy: fallocate and copy_file_range into the copies",
+        "os.posix_fallocate(rwf.fileno(), 0, 1 << 20)\nsrc = os.open('@WORK@/data.csv', os.O_RDONLY)\nos.copy_file_range(src, logf.fileno(), 4)\nprint(os.stat('@WORK@/rw.bin').st_size)",
+    ),
+    (
+        "copy: io_submit write to the copy",
+        "ctx = ctypes.c_ulong(0)\nreport('io_setup', sc('io_setup', 8, ctypes.byref(ctx)))\nbuf = ctypes.create_string_buffer(b'ESCAPED')\ncb = (ctypes.c_uint64 * 8)(0, 0, (1 << 32) | rwf.fileno(), ctypes.addressof(buf), 7, 0, 0, 0)\ncbs = (ctypes.c_void_p * 1)(ctypes.addressof(cb))\nreport('io_submit', sc('io_submit', ctx.value, 1, cbs))",
+    ),
+    (
+        "copy: hard link and rename of the copy",
+        "os.link('/proc/self/fd/%d' % rwf.fileno(), '@WORK@/@MARK@-link')\nos.rename('@WORK@/rw.bin', '@WORK@/@MARK@-moved')\nprint(sorted(os.listdir('@WORK@'))[:3])",
+    ),
     # -- innocent cells that used to share an offset or a socket -----------------------------
     (
         "innocent: read the next line of an open file",
@@ -747,10 +841,27 @@ CELLS: list[tuple[str, str]] = [
     ("innocent: seek an open file", "rf.seek(0)\nprint(rf.readline(), end='')"),
 ]
 CELLS = [(n, c.replace("@WORKROOT@", "@WORK@/..")) for n, c in CELLS]
+#: cells that must be stopped by the memory bound: they write hundreds of MB, which takes more
+#: than 3 s on a loaded machine (they would be stopped by the timeout instead)
+BOUNDED = {
+    "memfd beyond the memory bound": 30.0,
+    "memfd written, unmapped, beyond the bound": 30.0,
+    "shm segments beyond the bound": 30.0,
+}
 #: how some cells must end (in what stopped them, or in their output)
 EXPECT = {
-    "write the open log": "which the kernel holds open",
-    "write through the read-write handle": "which the kernel holds open",
+    "write the open log": "kernel line\nESCAPED\n",
+    "write through the read-write handle": "b'ESCAPEDRR'",
+    "copy: os.write through the inherited descriptor": "kernel line\nESCAPED\n",
+    "copy: seek and write at the kernel's offset": "100 b'RRESCAPED'",
+    "copy: truncate and fsync": "10 10",
+    "copy: MAP_SHARED write and msync": "b'ESCAPEDR'",
+    "copy: append mode kept": "True kernel line\nESCAPED",
+    "copy: re-open through /proc/self/fd for writing": "ESCAPED",
+    "copy: flock upgrade and unlock": "locked unlocked",
+    "copy: POSIX lock on the whole file": "locked",
+    "copy: descriptor flags changed": "True",
+    "copy: chmod and utime through the descriptor": "0o600",
     "the kernel's own TCP socket": "which the kernel holds open",
     "the kernel's socket shut down": "which the kernel holds open",
     "kill the kernel": "send a signal to process",
@@ -782,7 +893,7 @@ def test_no_escape(world, name, cell):
     k = world.kernel
     before = observe(world)
     seen = len(k.iopub)
-    reply = k.preview(world.fill(cell), timeout=3.0, memory_mb=512)
+    reply = k.preview(world.fill(cell), timeout=BOUNDED.get(name, 3.0), memory_mb=512)
     # The cell ran (a broken test cell would prove nothing) and was not refused as a whole.
     assert reply.get("status") == "ok", reply
     broken = [

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import nbformat
+import psutil
 import pytest
+from tornado.httpclient import HTTPClientError
 
 from jupyter_themisto.store import TrajectoryStore
 from tests.helpers import parse_sse, post, run_cell, server_config, start_session, wait_for
@@ -30,8 +33,13 @@ def fallback_settings(fallback, request):
 
 
 @pytest.fixture
-def jp_server_config(store_path, fallback, fallback_settings):
-    settings = {"timeout": 5.0}
+def preview_timeout():
+    return 5.0
+
+
+@pytest.fixture
+def jp_server_config(store_path, fallback, fallback_settings, preview_timeout):
+    settings = {"timeout": preview_timeout}
     if fallback:
         settings["fallback"] = fallback
     backends = {"preview": settings, **fallback_settings}
@@ -56,10 +64,130 @@ async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: st
     return kernel_id
 
 
-async def predict(jp_fetch, kernel_id, source):
-    body = {"kernel_id": kernel_id, "source": source, "backend": "preview"}
+async def predict(jp_fetch, kernel_id, source, **extra):
+    body = {"kernel_id": kernel_id, "source": source, "backend": "preview", **extra}
     r = await post(jp_fetch, "output", body, request_timeout=120)
     return parse_sse(r.body.decode())
+
+
+#: a long cell whose preview starts a process of its own: a cancelled preview leaves neither
+LONG = "import subprocess, time\np = subprocess.Popen(['sleep', '301'])\ntime.sleep(300)"
+
+
+def preview_processes(kernel_pid: int) -> list[psutil.Process]:
+    """The kernel's running descendants (the preview's monitor, first process, `sleep 301`)."""
+    try:
+        found = psutil.Process(kernel_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        found = []
+    found += [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
+    alive = []
+    for p in found:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeout=120, **extra):
+    """A request previewing LONG, once its `sleep 301` runs: (the request's task, kernel pid)."""
+    pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.process.pid
+    await wait_for(lambda: not preview_processes(pid))  # (the recorder's snapshot child)
+    task = asyncio.ensure_future(
+        post(
+            jp_fetch,
+            "output",
+            {"kernel_id": kernel_id, "source": LONG, "backend": "preview", **extra},
+            request_timeout=request_timeout,
+        )
+    )
+    await wait_for(
+        lambda: any(p.info["cmdline"] == ["sleep", "301"] for p in psutil.process_iter(["cmdline"]))
+    )
+    return task, pid
+
+
+@pytest.mark.parametrize("preview_timeout", [50.0])
+async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    """A preview may run as long as the cell would; when its request goes (the client went
+    away, asked for another prediction, the kernel is interrupted or restarted) the preview in
+    the kernel is killed with every process it started, and the person's cell runs at once."""
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
+    backend = jp_serverapp.web_app.settings["themisto_app"].manager.backend("preview")
+    try:
+        # Longer than the old 5 s bound.
+        events = await predict(jp_fetch, kernel_id, "import time\ntime.sleep(6)\nprint('done')")
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "done\n", events
+
+        # The client goes away: it gives up after 15 s and closes its connection.
+        task, pid = await long_preview_running(
+            jp_fetch, jp_serverapp, kernel_id, request_timeout=15
+        )
+        with pytest.raises(HTTPClientError) as gone:
+            await task
+        assert gone.value.code == 599  # (the client's own timeout)
+        started = time.monotonic()
+        await wait_for(lambda: not preview_processes(pid), timeout=20)
+        reply = await run_cell(jp_serverapp, kernel_id, "", user_expressions={"v": "x + 1"})
+        assert reply["user_expressions"]["v"]["data"]["text/plain"] == "2"
+        assert time.monotonic() - started < 30  # not after the preview's 50 s
+        assert backend.cancelled == 1
+
+        # The same client asks for another prediction on that kernel: the first is superseded.
+        first, pid = await long_preview_running(
+            jp_fetch, jp_serverapp, kernel_id, client_id="browser-1"
+        )
+        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-1")
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "1\n", events
+        with pytest.raises(HTTPClientError) as superseded:
+            await first
+        assert superseded.value.code == 409
+        assert backend.cancelled == 2
+        # (the second preview's own processes end just after its reply)
+        await wait_for(lambda: not preview_processes(pid), timeout=20)
+
+        # Another client's preview on that kernel meanwhile: not queued behind, said so.
+        task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
+        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert reasons and reasons[0].startswith("kernel busy"), events
+
+        # An interrupt of the kernel ends the preview: said so, nothing left running.
+        await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="")
+        events = parse_sse((await task).body.decode())
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert reasons == ["preview cancelled: the kernel was interrupted"], events
+        await wait_for(lambda: not preview_processes(pid), timeout=20)
+
+        # A restart: the old kernel and its preview are gone, the new kernel answers.
+        task, pid = await long_preview_running(
+            jp_fetch, jp_serverapp, kernel_id, request_timeout=20
+        )
+        await jp_fetch("api", "kernels", kernel_id, "restart", method="POST", body="")
+        await wait_for(lambda: not preview_processes(pid), timeout=30)
+        with pytest.raises(HTTPClientError):
+            await task  # (the browser stops waiting when the kernel restarts)
+        reply = await run_cell(jp_serverapp, kernel_id, "", user_expressions={"v": "'x' in dir()"})
+        assert reply["user_expressions"]["v"]["data"]["text/plain"] == "False"
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+    assert not any(p.info["cmdline"] == ["sleep", "301"] for p in psutil.process_iter(["cmdline"]))
+
+
+async def test_a_cell_that_waits_for_input_says_so(jp_fetch, jp_serverapp, jp_root_dir, store_path):
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
+    try:
+        events = await predict(jp_fetch, kernel_id, "name = input('Name? ')\nprint(name)")
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert reasons == [
+            "this cell waits for input; no preview (no fallback backend configured)"
+        ], events
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
 
 async def test_preview_through_the_server(jp_fetch, jp_serverapp, jp_root_dir, store_path):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
@@ -577,6 +578,78 @@ def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: Jupy
         expect(label).to_contain_text("preview stopped: the cell would open a network connection")
         shot(page, "7-preview-stopped")
     finally:
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
+
+
+def _preview_processes(kernel_id: str) -> list[psutil.Process]:
+    """The running processes under the kernel `kernel_id` (a preview's: its first process or
+    monitor, and what the cell started)."""
+    for p in psutil.process_iter(["cmdline"]):
+        if any(f"kernel-{kernel_id}.json" in arg for arg in p.info["cmdline"] or []):
+            return [c for c in p.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    raise AssertionError(f"no kernel {kernel_id}")
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+def test_a_long_preview_shows_its_time_and_is_cancelled(page: Page, lab: JupyterLab) -> None:
+    """A long cell's preview runs as long as the cell would: the output area says it is running,
+    for how long, and offers Cancel, which kills the preview in the kernel; running the cell
+    cancels its preview too, and the real run starts at once (not after the preview's bound)."""
+    lab.api("PUT", SETTINGS, {"raw": '{"outputBackend": "preview", "debounceMs": 30}'})
+    started = lab.root / "started.txt"
+    try:
+        kernel_id = open_notebook(page, lab, "long.ipynb")
+        run_cell(page, "y = 1")
+        _wait(lambda: not _preview_processes(kernel_id))  # (the recorder's snapshot)
+        cell = "open('started.txt', 'w').write('1'); import time; time.sleep(100)"
+        active = type_in_active_cell(page, cell)
+        page.keyboard.press("Alt+p")
+        predicted = active.locator(".jp-ThemistoPredictedOutput")
+        expect(predicted).to_have_attribute("data-state", "pending")
+        label = predicted.locator(".jp-ThemistoPredictedOutput-label")
+        expect(label).to_contain_text(re.compile(r"running [2-9] s"))
+        cancel = predicted.locator(".jp-ThemistoPredictedOutput-cancel")
+        expect(cancel).to_be_visible()
+        assert _preview_processes(kernel_id)
+        shot(page, "8-long-preview-running")
+        cancel.click()
+        expect(predicted).to_have_attribute("data-state", "cancelled")
+        expect(label).to_contain_text("Output prediction cancelled")
+        expect(cancel).to_be_hidden()
+        _wait(lambda: not _preview_processes(kernel_id))
+        assert not started.exists()
+        shot(page, "8-long-preview-cancelled")
+
+        # Run it while its preview runs: the preview goes, the real run starts at once.
+        active.locator(".cm-content").click()
+        page.keyboard.press("Alt+p")
+        expect(label).to_contain_text("running")
+        assert _preview_processes(kernel_id)
+        page.keyboard.press("Shift+Enter")
+        _wait(started.exists, timeout=30)  # (the preview would hold the kernel for 50 s)
+        _wait(lambda: not _preview_processes(kernel_id))
+        lab.api("POST", f"/api/kernels/{kernel_id}/interrupt")
+        ran = cells(page).nth(1)
+        expect(ran.locator(".jp-OutputArea-output")).to_contain_text("KeyboardInterrupt")
+
+        # Closing the notebook (its kernel goes on) cancels its running preview.
+        active = type_in_active_cell(page, "import time; time.sleep(100)")
+        page.keyboard.press("Alt+p")
+        expect(active.locator(".jp-ThemistoPredictedOutput-label")).to_contain_text("running")
+        assert _preview_processes(kernel_id)
+        page.locator(".lm-TabBar-tab.jp-mod-current .lm-TabBar-tabCloseIcon").first.click()
+        page.locator(".jp-Dialog-button", has_text="Discard").click()
+        expect(page.locator(".jp-NotebookPanel")).to_have_count(0)
+        _wait(lambda: not _preview_processes(kernel_id))
+        assert lab.kernel_id("long.ipynb") == kernel_id  # (the kernel itself goes on)
+    finally:
+        started.unlink(missing_ok=True)
         lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 
 

@@ -10,6 +10,9 @@ falls back to the backend named by the `fallback` setting, or says why there is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,11 +34,21 @@ from .settings import BackendSettings, problems
 
 
 class PreviewSettings(BackendSettings):
-    timeout: float = Field(5.0, gt=0, description="seconds the preview may take (wall clock)")
+    timeout: float = Field(
+        50.0,
+        gt=0,
+        description="seconds the preview may take (wall clock): as long as a long cell runs, but"
+        " below the server's prediction_timeout (60 s); a preview is cancelled as soon as its"
+        " request is (the cell runs, the client goes away or asks for another prediction)",
+    )
     memory_mb: int = Field(
         1024, gt=0, description="memory the preview may take beyond the kernel's, in MB"
     )
-    cpu_seconds: int = Field(10, gt=0, description="CPU seconds the preview may use")
+    cpu_seconds: int = Field(
+        60,
+        gt=0,
+        description="CPU seconds the preview may use (at least `timeout`: a long cell runs)",
+    )
     busy_wait: float = Field(
         1.0,
         ge=0,
@@ -96,6 +109,8 @@ class PreviewPredictor(Predictor):
         self._locks: dict[str, asyncio.Lock] = {}
         #: what the last preview reported (for the host's logs and for tests)
         self.last_reply: dict[str, Any] | None = None
+        #: how many previews were cancelled in the kernel (their request was)
+        self.cancelled = 0
 
     # -- kernel access -----------------------------------------------------------------------
 
@@ -111,10 +126,16 @@ class PreviewPredictor(Predictor):
         return km  # a single KernelManager
 
     @staticmethod
-    def _roundtrip(info: dict[str, Any], content: dict[str, Any], timeout: float) -> dict:
+    def _roundtrip(
+        info: dict[str, Any],
+        content: dict[str, Any],
+        timeout: float,
+        abandon: threading.Event | None = None,
+    ) -> dict:
         """Send one execute_request on a socket of its own and wait for its reply (in a worker
         thread: a plain zmq socket, not the server's asyncio ones, whose un-awaited sends can
-        stall)."""
+        stall); `abandon` set: stop waiting (the request was cancelled and its kernel will not
+        answer: restarted or gone)."""
         session = Session(
             key=info["key"], signature_scheme=info["signature_scheme"], username="themisto"
         )
@@ -127,14 +148,28 @@ class PreviewPredictor(Predictor):
             deadline = time.monotonic() + timeout
             while True:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(int(remaining * 1000)):
+                if abandon is not None and abandon.is_set():
+                    raise BackendTimeout("the preview request was abandoned")
+                if remaining <= 0:
                     raise BackendTimeout("the kernel did not answer the preview request")
+                if not sock.poll(int(min(remaining, 0.5) * 1000)):
+                    continue
                 _, parts = session.feed_identities(sock.recv_multipart())
                 reply = session.deserialize(parts)
                 if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
                     return reply
         finally:
             sock.close()
+
+    @staticmethod
+    def _cancel(token: str) -> bool:
+        """Tell the kernel's running preview `token` to stop (kernel/preview.py's
+        `cancel_preview`: a datagram to an abstract unix socket, which reaches kernels on this
+        machine, in the server's network namespace; a remote kernel's preview runs to its
+        timeout)."""
+        from ..kernel.preview import cancel_preview
+
+        return cancel_preview(token)
 
     async def _idle_state(self, kernel: Any) -> str:
         """The kernel's execution state, given `busy_wait` to become idle. The server learns
@@ -156,13 +191,18 @@ class PreviewPredictor(Predictor):
             # Never queue behind the person's running cell.
             raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
-        if lock.locked():
-            raise NoPrediction("kernel busy: another preview is running")
-        async with lock:
+        try:
+            # A preview being cancelled (superseded by this one) ends within moments.
+            await asyncio.wait_for(lock.acquire(), max(self.settings.busy_wait, 0.1))
+        except TimeoutError:
+            raise NoPrediction("kernel busy: another preview is running") from None
+        try:
+            token = secrets.token_hex(16)
             expr = (
                 "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
                 f".run_preview({source!r}, timeout={self.settings.timeout!r}, "
-                f"memory_mb={self.settings.memory_mb!r}, cpu_seconds={self.settings.cpu_seconds!r})"
+                f"memory_mb={self.settings.memory_mb!r}, "
+                f"cpu_seconds={self.settings.cpu_seconds!r}, cancel={token!r})"
             )
             content = {
                 "code": "",
@@ -173,14 +213,42 @@ class PreviewPredictor(Predictor):
                 "stop_on_error": False,
             }
             # The child is killed after `timeout`; the rest is fork, JSON and messaging.
-            msg = await asyncio.to_thread(
-                self._roundtrip, kernel.get_connection_info(), content, self.settings.timeout + 30
+            abandon = threading.Event()
+            work = asyncio.ensure_future(
+                asyncio.to_thread(
+                    self._roundtrip,
+                    kernel.get_connection_info(),
+                    content,
+                    self.settings.timeout + 30,
+                    abandon,
+                )
             )
+            try:
+                msg = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The request was cancelled: so is the preview in the kernel, which then
+                # answers at once; the lock is held until it has (the kernel is idle again).
+                # (Sent again until then: the kernel may not have started the preview yet. Still
+                # nothing listening after a second: the kernel restarted or went away.)
+                began = time.monotonic()
+                while not work.done() and time.monotonic() < began + 10:
+                    if not self._cancel(token) and time.monotonic() > began + 1:
+                        break
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await asyncio.wait_for(asyncio.shield(work), 0.1)
+                abandon.set()
+                self.cancelled += 1
+                raise
+        finally:
+            lock.release()
         content = msg["content"]
         if content.get("status") != "ok":
             raise BackendError(f"the kernel refused the preview: {content.get('evalue', '')}")
         result = content.get("user_expressions", {}).get("preview", {})
         if result.get("status") != "ok":
+            if result.get("ename") == "KeyboardInterrupt":
+                # (the preview ended with the kernel's interrupt: nothing is left running)
+                raise NoPrediction("preview cancelled: the kernel was interrupted")
             detail = f"{result.get('ename', 'Error')}: {result.get('evalue', '')}"
             if result.get("ename") in ("ModuleNotFoundError", "ImportError"):
                 raise BackendUnavailable(
@@ -202,12 +270,18 @@ class PreviewPredictor(Predictor):
             raise NoPrediction("no live kernel to preview in")
         reply = await self.run_preview(ctx.kernel_id, ctx.target_source)
         stopped = reply.get("stopped") or []
+        if reply.get("status") == "cancelled":
+            raise NoPrediction("preview cancelled")
         meta = {"preview": {k: reply.get(k) for k in ("stopped", "sandbox", "status")}}
         if reply.get("status") != "ok" or stopped:
+            from ..kernel.preview import WAITS_FOR_INPUT
+
             why = (
                 "; ".join(f"preview stopped: the cell would {s}" for s in stopped)
                 or f"preview {reply.get('status')}: {reply.get('detail', '')}"
             )
+            if WAITS_FOR_INPUT in stopped:
+                why = "this cell waits for input; no preview"
             self.env.log.info("themisto: %s", why)
             fallback = self._fallback_backend()
             if fallback is None:

@@ -35,9 +35,11 @@ from typing import Any
 
 from . import sandbox
 
-DEFAULT_TIMEOUT = 5.0
+#: as long as a long cell would run, still bounded (below the server's prediction_timeout, 60 s)
+DEFAULT_TIMEOUT = 50.0
 DEFAULT_MEMORY_MB = 1024
-DEFAULT_CPU_SECONDS = 10
+#: at least the wall-clock bound: a CPU-bound long cell is stopped by `timeout`, not sooner
+DEFAULT_CPU_SECONDS = 60
 #: the most JSON a child sends back (outputs beyond it are cut)
 MAX_PAYLOAD = 4 * 2**20
 #: the most the kernel reads from a preview (more: the preview is killed and stopped)
@@ -50,6 +52,13 @@ MEMORY_POLL = 0.02
 #: ipykernel's OutStream.flush_interval (the kernel's own streams' value is used where they have
 #: one): what a stream buffers becomes an output this long after the first write
 FLUSH_INTERVAL = 0.2
+#: what `stopped` says of a cell that calls input() or getpass (the real run waits for the
+#: person to type; a preview cannot know what they will type)
+WAITS_FOR_INPUT = "wait for input"
+#: the abstract unix socket name a preview listens on for a cancel: this prefix and the token
+#: the server chose (abstract names belong to the network namespace: the kernel's, the server's
+#: when both run on one machine; never the preview's, which has a network namespace of its own)
+CANCEL_PREFIX = "jupyter-themisto-preview-cancel-"
 
 
 class PreviewReply(dict):
@@ -247,6 +256,20 @@ def _run_cell(shell: Any, source: str, outputs: _Outputs) -> None:
         )
 
 
+def _waits_for_input(stopped: list[str]) -> None:
+    """input() and getpass.getpass() stop the preview with WAITS_FOR_INPUT, before printing
+    the prompt (in the real run the kernel would ask the browser, and wait)."""
+    import builtins
+    import getpass
+
+    def waits(*args: Any, **kwargs: Any) -> str:
+        stopped.append(WAITS_FOR_INPUT)
+        raise sandbox.PreviewStopped(f"preview stopped: the cell would {WAITS_FOR_INPUT}")
+
+    builtins.input = waits
+    getpass.getpass = waits
+
+
 def _flush_inline_figures() -> None:
     # The inline backend shows figures from a post_execute hook the preview does not fire.
     if "matplotlib.pyplot" not in sys.modules:
@@ -384,9 +407,13 @@ def _child(
             pass
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         kernel.restore()
+        # (before isolation: the descriptors of the person's open files, looked up without
+        # running any of the person's code)
+        copy = sandbox.namespace_files(shell.user_ns)
         try:
             iso = sandbox.isolate(
                 keep={wfd},
+                copy=copy,
                 memory_mb=memory_mb,
                 cpu_seconds=cpu_seconds,
                 programs=programs,
@@ -422,6 +449,7 @@ def _child(
         pub.clear_output = outputs.clear
         _capture_session(shell, outputs)
         sandbox.stub_handles(shell.user_ns, iso.stubbed, stopped)
+        _waits_for_input(stopped)
         _serial_openmp()
         sandbox.install_audit_hook(stopped, iso.processes)
         started = time.perf_counter()
@@ -711,8 +739,11 @@ class _Watch:
     """The kernel's side of one preview: reads the reply, bounded in bytes, time and the
     namespace's memory."""
 
-    def __init__(self, rfd: int, deadline: float, memory_mb: int, spawned: Any) -> None:
+    def __init__(
+        self, rfd: int, deadline: float, memory_mb: int, spawned: Any, cancel: int | None = None
+    ) -> None:
         self.rfd, self.deadline = rfd, deadline
+        self.cancel = cancel
         self.memory = memory_mb * 2**20
         self.spawned = spawned
         self.reply = bytearray()
@@ -727,7 +758,11 @@ class _Watch:
             if remaining <= 0:
                 self.killed = "timeout"
                 return
-            ready, _, _ = select.select([self.rfd], [], [], min(remaining, MEMORY_POLL))
+            watched = [self.rfd] if self.cancel is None else [self.rfd, self.cancel]
+            ready, _, _ = select.select(watched, [], [], min(remaining, MEMORY_POLL))
+            if self.cancel is not None and self.cancel in ready:
+                self.killed = "cancelled"
+                return
             if ready:
                 block = os.read(self.rfd, 1 << 16)
                 if not block:
@@ -806,16 +841,24 @@ def run_preview(
     timeout: float = DEFAULT_TIMEOUT,
     memory_mb: int = DEFAULT_MEMORY_MB,
     cpu_seconds: int = DEFAULT_CPU_SECONDS,
+    cancel: str | None = None,
 ) -> PreviewReply:
     """Preview `source` in an isolated fork of this kernel; the namespace stays untouched.
 
     The reply holds nbformat `outputs`, the side effects that `stopped` the preview (empty if
-    none), each isolation layer's state, `status` ("ok", "unsupported", "failed") and timings.
-    Whatever the cell does, the kernel waits at most `timeout` seconds, reads at most
-    MAX_REPLY bytes, and kills the preview's namespace past `memory_mb`.
+    none), each isolation layer's state, `status` ("ok", "unsupported", "failed",
+    "cancelled") and timings. Whatever the cell does, the kernel waits at most `timeout`
+    seconds, reads at most MAX_REPLY bytes, and kills the preview's namespace past `memory_mb`.
+    `cancel`: a token; a datagram sent to the abstract unix socket CANCEL_PREFIX + token while
+    the preview runs kills its namespace at once (see `cancel_preview`). An interrupt of the
+    kernel (SIGINT) does so too, and the kernel's death ends it (PR_SET_PDEATHSIG).
     """
     if not isinstance(source, str):
         raise TypeError("source must be a str")
+    if cancel is not None and not (
+        isinstance(cancel, str) and 0 < len(cancel) <= 64 and cancel.isascii() and cancel.isalnum()
+    ):
+        raise ValueError("cancel must be a token of at most 64 ASCII letters and digits")
     if not sys.platform.startswith("linux"):
         return _unsupported("preview unavailable: the preview needs Linux")
     from IPython import get_ipython
@@ -830,6 +873,47 @@ def run_preview(
     kernel = _KernelState()
     t0 = time.perf_counter()
     times: dict[str, float] = {}
+    listener = None
+    if cancel is not None:
+        # Bound before the fork: a cancel sent as soon as the server asked is not lost.
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(f"\0{CANCEL_PREFIX}{cancel}")
+        except OSError:
+            listener.close()
+            raise
+    try:
+        return _preview(
+            shell, source, timeout, memory_mb, cpu_seconds, programs, kernel, t0, times, listener
+        )
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def cancel_preview(token: str) -> bool:
+    """Cancel the running preview started with `cancel=token` (from any process in the
+    kernel's network namespace); False if none is running."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.sendto(b"cancel", f"\0{CANCEL_PREFIX}{token}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
+
+
+def _preview(
+    shell: Any,
+    source: str,
+    timeout: float,
+    memory_mb: int,
+    cpu_seconds: int,
+    programs: dict,
+    kernel: _KernelState,
+    t0: float,
+    times: dict[str, float],
+    listener: socket.socket | None,
+) -> PreviewReply:
     rfd, wfd = os.pipe()
 
     def child(direct: bool) -> None:
@@ -846,7 +930,8 @@ def run_preview(
         finally:
             os.close(wfd)
         fork_ms = (time.perf_counter() - t0) * 1000
-        watch = _Watch(rfd, time.monotonic() + timeout, memory_mb, spawned)
+        cancel_fd = listener.fileno() if listener is not None else None
+        watch = _Watch(rfd, time.monotonic() + timeout, memory_mb, spawned, cancel_fd)
         spawned.started(watch.deadline)
         if spawned.pid is not None:
             watch.run()
@@ -860,6 +945,16 @@ def run_preview(
             status = spawned.finish(complete)
     if spawned.refused is not None:
         return _unsupported(spawned.refused, fork_ms=fork_ms)
+    if watch.killed == "cancelled":
+        return PreviewReply(
+            status="cancelled",
+            detail="preview cancelled",
+            outputs=[],
+            stopped=[],
+            sandbox={},
+            fork_ms=fork_ms,
+            elapsed_ms=(time.perf_counter() - t0) * 1000,
+        )
     header = watch.header or {}
     if "unavailable" in header:
         return _unsupported(str(header["unavailable"]), fork_ms=fork_ms)

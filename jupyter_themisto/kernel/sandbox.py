@@ -22,6 +22,7 @@ import socket
 import stat
 import sys
 import tempfile
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,7 +179,7 @@ class Descriptor:
 
     fd: int
     target: str
-    kind: str  # "reopen" or what the stub stands for ("socket", "pipe", "file open for writing"…)
+    kind: str  # "reopen", "copy" or what the stub stands for ("socket", "pipe", "file open…")
     flags: int = 0
     offset: int = 0
     size: int = 0
@@ -201,9 +202,16 @@ def _describe(target: str, mode: int, flags: int) -> str:
     return f"a handle ({target})"
 
 
-def inventory_descriptors(keep: set[int]) -> list[Descriptor]:
+#: the largest file open for writing that a preview gets a private copy of (bytes): the copy
+#: is made when the preview starts (overlayfs copies the whole file up) and lives in its memory
+COPY_LIMIT = 64 * 2**20
+
+
+def inventory_descriptors(keep: set[int], copy: Collection[int] = ()) -> list[Descriptor]:
     """Every descriptor but `keep`: the read-only files and directories to re-open in the
-    private root (at their offset), and the rest to replace by stubs."""
+    private root (at their offset); the regular files open for writing among `copy` (the
+    person's own handles) to re-open there too, writable — the overlay gives the preview its own
+    copy, the real file is untouched; and the rest to replace by stubs."""
     found = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -226,35 +234,47 @@ def inventory_descriptors(keep: set[int]) -> list[Descriptor]:
             and not target.endswith(" (deleted)")
             and flags & os.O_ACCMODE == os.O_RDONLY
         )
-        if readable_file:
+        writable_copy = (
+            fd in copy
+            and stat.S_ISREG(st.st_mode)
+            and target.startswith("/")
+            and not target.endswith(" (deleted)")
+            and flags & os.O_ACCMODE != os.O_RDONLY
+            and not flags & os.O_PATH
+            and st.st_size <= COPY_LIMIT
+        )
+        if readable_file or writable_copy:
             try:
                 offset = os.lseek(fd, 0, os.SEEK_CUR)
             except OSError:
                 offset = 0  # an O_PATH descriptor
-            found.append(
-                Descriptor(fd, target, "reopen", flags, offset, st.st_size, st.st_mtime_ns)
-            )
+            kind = "reopen" if readable_file else "copy"
+            found.append(Descriptor(fd, target, kind, flags, offset, st.st_size, st.st_mtime_ns))
         else:
             found.append(Descriptor(fd, target, _describe(target, st.st_mode, flags), flags))
     return found
 
 
 _REOPEN_FLAGS = os.O_ACCMODE | os.O_DIRECTORY | os.O_PATH | os.O_NOATIME
+#: what a private copy keeps of the kernel's file's flags (never O_CREAT, O_TRUNC, O_EXCL)
+_COPY_FLAGS = os.O_ACCMODE | os.O_APPEND | os.O_NOATIME | os.O_SYNC | os.O_DSYNC
 
 
 def replace_descriptors(found: list[Descriptor]) -> dict[int, str]:
     """In the private root: re-open each read-only file at its offset onto the same descriptor
-    number (reads work; the kernel's offset does not move), and put a stub (an O_PATH descriptor
-    of /dev/null: every read, write, mapping or socket call on it fails) in place of every other.
-    Returns the stubbed descriptors with what each stood for."""
+    number (reads work; the kernel's offset does not move), each file to copy writable (the
+    overlay copies it up: writes, truncation, locks and mappings reach the copy only), and put a
+    stub (an O_PATH descriptor of /dev/null: every read, write, mapping or socket call on it
+    fails) in place of every other. Returns the stubbed descriptors with what each stood for."""
     stub = os.open("/dev/null", os.O_PATH | os.O_CLOEXEC)
     stubbed = {}
     try:
         for d in found:
             inheritable = not d.flags & os.O_CLOEXEC
-            if d.kind == "reopen":
+            if d.kind in ("reopen", "copy"):
+                keep = _REOPEN_FLAGS if d.kind == "reopen" else _COPY_FLAGS
                 try:
-                    new = os.open(d.target, (d.flags & _REOPEN_FLAGS) | os.O_CLOEXEC | os.O_NOCTTY)
+                    new = os.open(d.target, (d.flags & keep) | os.O_CLOEXEC | os.O_NOCTTY)
                     try:
                         st = os.fstat(new)
                         if stat.S_ISREG(st.st_mode) and (
@@ -268,7 +288,11 @@ def replace_descriptors(found: list[Descriptor]) -> dict[int, str]:
                         os.close(new)
                     continue
                 except OSError:
-                    d.kind = f"a file ({d.target}) that could not be re-opened"
+                    d.kind = (
+                        f"a file ({d.target}) that could not be re-opened"
+                        if d.kind == "reopen"
+                        else f"a file open for writing ({d.target}) that could not be copied"
+                    )
             os.dup2(stub, d.fd, inheritable=False)
             stubbed[d.fd] = d.kind
     finally:
@@ -746,6 +770,7 @@ class Isolation:
 def isolate(
     *,
     keep: set[int],
+    copy: Collection[int] = (),
     memory_mb: int,
     cpu_seconds: int,
     programs: dict[bool, bytes],
@@ -754,10 +779,12 @@ def isolate(
     """Lock the calling process (the first of its PID namespace) down for good; raise
     `Unavailable` if any layer cannot be put in place.
 
-    `keep`: the descriptors that stay (the reply channel); `programs`: the seccomp programs built
-    by the kernel for `processes` False and True. `direct`: made by `fork_into_namespaces` (still
-    privileged: it enters its mount namespace first and its user namespace once the root is
-    built); else by a monitor in `enter_namespaces` (already in its user namespace)."""
+    `keep`: the descriptors that stay (the reply channel); `copy`: the files open for writing
+    to give the preview a private copy of (see `inventory_descriptors`); `programs`: the seccomp
+    programs built by the kernel for `processes` False and True. `direct`: made by
+    `fork_into_namespaces` (still privileged: it enters its mount namespace first and its user
+    namespace once the root is built); else by a monitor in `enter_namespaces` (already in its
+    user namespace)."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the kernel's (or monitor's) death ends it
     os.setsid()  # kill(0, ...) and process-group calls reach this namespace only
     state: dict[str, str] = {
@@ -768,7 +795,7 @@ def isolate(
             check(libc.unshare(CLONE_NEWNS), "unshare")
         except OSError as e:
             raise Unavailable(f"a new mount namespace ({os.strerror(e.errno or 0)})") from None
-    found = inventory_descriptors(keep)
+    found = inventory_descriptors(keep, copy)
     memory = memory_mb * 2**20
     copied = privatize_shared_mappings(memory)
     sysctls = namespace_sysctls(memory)
@@ -793,7 +820,11 @@ def isolate(
     os.close(devnull)
     if direct:
         enter_user_namespace()
-    state["descriptors"] = f"on ({len(stubbed)} stubbed, {len(found) - len(stubbed)} re-opened)"
+    copies = sum(d.kind == "copy" for d in found)
+    state["descriptors"] = (
+        f"on ({len(stubbed)} stubbed, {len(found) - len(stubbed) - copies} re-opened,"
+        f" {copies} copied)"
+    )
     state["shared_memory"] = f"on (private copies, {copied >> 10} kB copied)"
     state["processes"] = (
         "on (inside the namespaces, at most 512)"
@@ -1018,48 +1049,21 @@ for _name in _SOCKET_METHODS:
     setattr(_StubSocket, _name, _socket_stopper)
 
 
-def stub_handles(namespace: dict[str, Any], stubbed: dict[int, str], stopped: list[str]) -> int:
-    """Make the person's open handles on stubbed descriptors (sockets, pipes, files open for
-    writing) stop the preview with what they are when used, instead of failing with EBADF.
-    Looks at the namespace's values and one level into containers and objects; returns how
-    many handles it found. (A handle it does not find still cannot reach the descriptor.)"""
-    if not stubbed:
-        return 0
-    _StubSocket.stubbed = stubbed
-    _StubSocket.stopped = stopped
+def _namespace_handles(namespace: dict[str, Any]) -> Iterator[socket.socket | io.IOBase]:
+    """The sockets and files among the namespace's values, the members of its small containers
+    and the attributes of objects of the person's own classes: few objects touched (each touch
+    copies a page of the kernel's memory into the child)."""
     seen: set[int] = set()
-    found = 0
 
-    def visit(obj: Any) -> None:
-        nonlocal found
+    def handle(obj: Any) -> bool:
         if not isinstance(obj, (socket.socket, io.IOBase)) or id(obj) in seen:
-            return
+            return False
         seen.add(id(obj))
-        try:
-            fd = obj.fileno()
-        except Exception:
-            return
-        if fd not in stubbed:
-            return
-        found += 1
-        if isinstance(obj, socket.socket):
-            try:
-                obj.__class__ = _StubSocket
-            except TypeError:
-                pass
-            return
-        what = f"use {stubbed[fd]}, which the kernel holds open"
-        for name in _IO_METHODS:
-            try:
-                setattr(obj, name, _stopper(what, stopped))
-            except (AttributeError, TypeError):
-                pass
+        return True
 
-    # The namespace's values, the members of its small containers, the attributes of objects
-    # of the person's own classes: few objects touched (each touch copies a page of the
-    # kernel's memory into the child).
     for value in list(namespace.values()):
-        visit(value)
+        if handle(value):
+            yield value
         if isinstance(value, dict) and len(value) <= 1000:
             members: Any = value.values()
         elif isinstance(value, (list, tuple, set)) and len(value) <= 1000:
@@ -1069,5 +1073,83 @@ def stub_handles(namespace: dict[str, Any], stubbed: dict[int, str], stopped: li
         else:
             continue
         for member in list(members):
-            visit(member)
+            if handle(member):
+                yield member
+
+
+_BUFFERED = (io.BufferedWriter, io.BufferedRandom, io.BufferedReader)
+
+
+def _file_descriptor(obj: Any) -> int | None:
+    """The descriptor of a plain file object (exact built-in types only: runs no code of the
+    person's), or None."""
+    kind = type(obj)
+    if kind is io.TextIOWrapper:
+        obj = obj.buffer
+        kind = type(obj)
+    if kind in _BUFFERED:
+        obj = obj.raw
+        kind = type(obj)
+    if kind is io.FileIO and not obj.closed:
+        return int(io.FileIO.fileno(obj))
+    return None
+
+
+def namespace_files(namespace: dict[str, Any]) -> set[int]:
+    """The descriptors of the person's open files: plain file objects among the namespace's
+    values and the members of its plain lists, tuples and dicts. Those open for writing get a
+    private copy in the preview (see `inventory_descriptors`). Runs before the preview is
+    isolated, so it looks at exact built-in types only (an `isinstance`, a `len` or an attribute
+    could run the person's code)."""
+    if not issubclass(type(namespace), dict):
+        return set()
+    fds = set()
+    for value in list(dict.values(namespace)):
+        kind = type(value)
+        if kind is dict and len(value) <= 1000:
+            members: list[Any] = list(dict.values(value))
+        elif (kind is list or kind is tuple) and len(value) <= 1000:
+            members = list(value)
+        else:
+            members = [value]
+        for member in members:
+            try:
+                fd = _file_descriptor(member)
+            except (ValueError, OSError):
+                fd = None
+            if fd is not None:
+                fds.add(fd)
+    return fds
+
+
+def stub_handles(namespace: dict[str, Any], stubbed: dict[int, str], stopped: list[str]) -> int:
+    """Make the person's open handles on stubbed descriptors (sockets, pipes, files open for
+    writing that could not be copied) stop the preview with what they are when used, instead of
+    failing with EBADF. Looks where `_namespace_handles` looks; returns how many handles it
+    found. (A handle it does not find still cannot reach the descriptor.)"""
+    if not stubbed:
+        return 0
+    _StubSocket.stubbed = stubbed
+    _StubSocket.stopped = stopped
+    found = 0
+    for obj in _namespace_handles(namespace):
+        try:
+            fd = obj.fileno()
+        except Exception:
+            continue
+        if fd not in stubbed:
+            continue
+        found += 1
+        if isinstance(obj, socket.socket):
+            try:
+                obj.__class__ = _StubSocket
+            except TypeError:
+                pass
+            continue
+        what = f"use {stubbed[fd]}, which the kernel holds open"
+        for name in _IO_METHODS:
+            try:
+                setattr(obj, name, _stopper(what, stopped))
+            except (AttributeError, TypeError):
+                pass
     return found

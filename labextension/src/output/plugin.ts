@@ -14,10 +14,21 @@ import { outputsMatch, outputsText, PredictedOutput, PredictionBadge } from './p
 
 export const PREDICT_OUTPUT_COMMAND = 'themisto:predict-output';
 
+/** How long the browser waits for an output prediction at least: a preview may run as long as
+ * the cell would (the server bounds it: the preview backend's `timeout`, 50 s, within the
+ * server's prediction_timeout, 60 s). The Cancel button stops it sooner. */
+const OUTPUT_TIMEOUT_MS = 65000;
+
+/** Kernel states in which a running preview is cancelled (the kernel goes away). */
+const KERNEL_GOING = new Set(['restarting', 'autorestarting', 'terminating', 'dead']);
+
 interface ICellPrediction {
   widget: PredictedOutput;
   controller: AbortController;
   source: string;
+  panel: NotebookPanel;
+  /** Why it was stopped before it ended ("cancelled", "the cell runs"…), if it was. */
+  stopped?: string;
 }
 
 export class OutputPredictions {
@@ -38,13 +49,18 @@ export class OutputPredictions {
       return;
     }
     this._clear(cell);
-    const widget = new PredictedOutput(this._trans);
+    this._watch(panel);
     const controller = new AbortController();
-    const entry: ICellPrediction = { widget, controller, source };
+    const widget = new PredictedOutput(this._trans, () => this._stop(entry, ''));
+    const entry: ICellPrediction = { widget, controller, source, panel };
     this._predictions.set(cell, entry);
     this._insert(cell, widget);
     const request = { ...this._service.baseRequest(panel, 'output'), source };
-    const timer = setTimeout(() => controller.abort(), this._service.settings.timeoutMs);
+    // Aborting the request closes its connection: the server cancels the preview in the kernel.
+    const timer = setTimeout(
+      () => controller.abort(),
+      Math.max(this._service.settings.timeoutMs, OUTPUT_TIMEOUT_MS)
+    );
     streamPrediction('output', request, controller.signal, partial => {
       widget.setText(partial.output);
       widget.setState('streaming', partial.backend ?? '');
@@ -60,6 +76,12 @@ export class OutputPredictions {
         }
       })
       .catch(error => {
+        if (entry.stopped !== undefined) {
+          if (!widget.isDisposed) {
+            widget.setState('cancelled', entry.stopped);
+          }
+          return;
+        }
         if (this._predictions.get(cell) !== entry) {
           return;
         }
@@ -82,8 +104,57 @@ export class OutputPredictions {
     const entry = this._predictions.get(cell);
     if (entry) {
       // Stop streaming, but keep what was predicted until the real output arrives.
-      entry.controller.abort();
+      this._stop(entry, this._trans.__('the cell runs'));
     }
+    // Any run in the same notebook waits behind a running preview in the kernel: stop them all.
+    for (const [other, running] of this._predictions) {
+      if (other !== cell && other.parent === cell.parent) {
+        this._stop(running, this._trans.__('a cell runs'));
+      }
+    }
+  }
+
+  /** Stop `entry`'s request (the server then cancels its preview in the kernel). */
+  private _stop(entry: ICellPrediction, why: string): void {
+    if (entry.controller.signal.aborted) {
+      return;
+    }
+    const state = entry.widget.node.dataset.state;
+    if (state === 'pending' || state === 'streaming') {
+      entry.stopped = why;
+    }
+    entry.controller.abort();
+  }
+
+  /** Cancel a notebook's previews when it closes or its kernel restarts or goes away. */
+  private _watch(panel: NotebookPanel): void {
+    if (this._watched.has(panel)) {
+      return;
+    }
+    this._watched.add(panel);
+    const stopAll = (why: string) => {
+      for (const entry of this._predictions.values()) {
+        if (entry.panel === panel) {
+          this._stop(entry, why);
+        }
+      }
+    };
+    const onStatus = (_: unknown, status: string) => {
+      if (KERNEL_GOING.has(status)) {
+        stopAll(this._trans.__('kernel %1', status));
+      }
+    };
+    panel.sessionContext.statusChanged.connect(onStatus);
+    panel.disposed.connect(() => {
+      stopAll(this._trans.__('notebook closed'));
+      panel.sessionContext.statusChanged.disconnect(onStatus);
+      this._watched.delete(panel);
+      for (const [cell, entry] of this._predictions) {
+        if (entry.panel === panel) {
+          this._predictions.delete(cell);
+        }
+      }
+    });
   }
 
   private _onExecuted(cell: Cell): void {
@@ -129,6 +200,7 @@ export class OutputPredictions {
   private _service: ThemistoService;
   private _trans: TranslationBundle;
   private _predictions = new Map<Cell, ICellPrediction>();
+  private _watched = new Set<NotebookPanel>();
   private _badges = new Map<Cell, Widget>();
 }
 

@@ -43,17 +43,29 @@ export function outputsMatch(predicted: string, actual: string): boolean {
   return norm(predicted) === norm(actual);
 }
 
-/** The dimmed area showing a streamed output prediction. */
+/** The dimmed area showing a streamed output prediction. While the prediction runs (a preview
+ * may run as long as the cell would) it shows the elapsed time and a Cancel button. */
 export class PredictedOutput extends Widget {
-  constructor(trans: TranslationBundle) {
+  constructor(trans: TranslationBundle, onCancel?: () => void) {
     super();
     this._trans = trans;
     this.addClass('jp-ThemistoPredictedOutput');
     this._label = document.createElement('div');
     this._label.className = 'jp-ThemistoPredictedOutput-label';
+    this._what = document.createElement('span');
+    this._elapsed = document.createElement('span');
+    this._elapsed.className = 'jp-ThemistoPredictedOutput-elapsed';
+    this._cancel = document.createElement('button');
+    this._cancel.className = 'jp-ThemistoPredictedOutput-cancel jp-mod-styled';
+    this._cancel.textContent = trans.__('Cancel');
+    this._cancel.title = trans.__('Stop this prediction (a running preview is killed)');
+    this._cancel.onclick = () => onCancel?.();
+    this._label.append(this._what, this._elapsed, this._cancel);
     this._text = document.createElement('pre');
     this._text.className = 'jp-ThemistoPredictedOutput-text';
     this.node.append(this._label, this._text);
+    this._started = Date.now();
+    this._timer = window.setInterval(() => this._tick(), 1000);
     this.setState('pending');
   }
 
@@ -66,7 +78,10 @@ export class PredictedOutput extends Widget {
     this._text.textContent = text;
   }
 
-  setState(state: 'pending' | 'streaming' | 'done' | 'none' | 'failed', detail = ''): void {
+  setState(
+    state: 'pending' | 'streaming' | 'done' | 'none' | 'failed' | 'cancelled',
+    detail = ''
+  ): void {
     this.node.dataset.state = state;
     const trans = this._trans;
     const what = {
@@ -74,15 +89,41 @@ export class PredictedOutput extends Widget {
       streaming: trans.__('Predicted output (streaming)'),
       done: trans.__('Predicted output'),
       none: trans.__('No output prediction'),
-      failed: trans.__('Output prediction failed')
+      failed: trans.__('Output prediction failed'),
+      cancelled: trans.__('Output prediction cancelled')
     }[state];
-    this._label.textContent = detail ? `${what} · ${detail}` : what;
+    this._what.textContent = detail ? `${what} · ${detail}` : what;
+    const running = state === 'pending' || state === 'streaming';
+    this._cancel.hidden = !running;
+    if (!running) {
+      window.clearInterval(this._timer);
+      this._elapsed.textContent = '';
+    } else {
+      this._tick();
+    }
+  }
+
+  dispose(): void {
+    window.clearInterval(this._timer);
+    super.dispose();
+  }
+
+  private _tick(): void {
+    const seconds = Math.floor((Date.now() - this._started) / 1000);
+    // (shown from the first second on: quick predictions never flicker a counter)
+    this._elapsed.textContent =
+      seconds >= 1 ? ` · ${this._trans.__('running %1 s', seconds)}` : '';
   }
 
   private _trans: TranslationBundle;
   private _label: HTMLDivElement;
+  private _what: HTMLSpanElement;
+  private _elapsed: HTMLSpanElement;
+  private _cancel: HTMLButtonElement;
   private _text: HTMLPreElement;
   private _value = '';
+  private _started: number;
+  private _timer: number;
 }
 
 /** The small badge left after the real output arrives. */
