@@ -111,8 +111,7 @@ export class PredictedOutput extends Widget {
   private _tick(): void {
     const seconds = Math.floor((Date.now() - this._started) / 1000);
     // (shown from the first second on: quick predictions never flicker a counter)
-    this._elapsed.textContent =
-      seconds >= 1 ? ` · ${this._trans.__('running %1 s', seconds)}` : '';
+    this._elapsed.textContent = seconds >= 1 ? ` · ${this._trans.__('running %1 s', seconds)}` : '';
   }
 
   private _trans: TranslationBundle;
