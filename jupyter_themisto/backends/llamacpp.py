@@ -107,12 +107,13 @@ class LlamaCppSettings(LocalModelSettings):
         " (default: 1024, less if `n_ctx` minus the longest answer is less)",
     )
     cold_prompt_tokens: int = Field(
-        256,
+        0,
         ge=0,
         description="a next-cell prompt the engine's cache holds no beginning of (a notebook's"
         " first suggestion, or when the prompt's first cell moved) keeps only its newest cells"
-        " within this many tokens, so that it is answered in about a second; the whole prompt"
-        " is evaluated after the answer, for the next one (0: always the whole prompt)",
+        " within this many tokens (e.g. 256), to be answered sooner; the whole prompt is"
+        " evaluated after the answer, for the next one (0, the default: always the whole"
+        " prompt; see README for what it cost in chrF)",
     )
     cache_ram_mb: int = Field(
         256, description="MB of earlier prompts' states kept in RAM for later requests"
