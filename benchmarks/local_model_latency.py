@@ -10,10 +10,10 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
    - *warmed*: the backend evaluated the prompt when the execution was recorded (`warm`);
    - *cold*: nothing of the prompt is cached (a first line unique to the request);
    first chunk and whole suggestion (n=1, greedy), and how many answers reached the limit.
-   Also: load time and generation speed. `--compare` runs the same cases first as the
-   backend answered before issue 11's latency work (each prompt cut to its budget anew), then
-   as it answers now, in one process on one loaded model, and prints the ratios;
-   `--cold-tokens N` adds a run with `cold_prompt_tokens` N; `--long N` adds N long corpus
+   Also: load time and generation speed. `--compare` runs the same cases first with the
+   defaults (each prompt cut to its budget anew), then with `stable_prompt_start`, in one
+   process on one loaded model, and prints the ratios; `--cold-tokens N` adds a run with
+   `cold_prompt_tokens` N too; `--long N` adds N long corpus
    notebooks (over the prompt budget), whose prompts the cut once moved with every cell.
 2. Through a real `jupyter server` with the extension and no backend configured (the default
    is the local model): the server's RSS, the first request against the later ones over HTTP.
@@ -75,14 +75,6 @@ def context(sources: list[str], first_line: str | None = None) -> PredictionCont
 MISSES: list[str] = []
 
 
-class AsBefore(LlamaCppPredictor):
-    """The backend as it answered before: no budget given to the prompt builder (the engine's
-    request cut each prompt's beginning to fit, anew every time) and no short cold prompt."""
-
-    def prompt_chars(self) -> None:  # type: ignore[override]
-        return None
-
-
 def long_notebooks(n: int, cells: int) -> list[Path]:
     """The first `n` corpus notebooks (manifest order) whose first `cells` code cells are over
     the default prompt budget (about 3,000 characters)."""
@@ -131,11 +123,13 @@ def ms(values: list[float]) -> str:
 async def in_process(
     notebooks: list[Path], n_cells: int, long: list[Path], compare: bool, cold_tokens: int
 ) -> None:
-    variants = [("before", AsBefore({"cold_prompt_tokens": 0}))] if compare else []
-    variants.append(("now", LlamaCppPredictor({})))
+    # before: the defaults (each prompt cut to its budget anew); stable: stable_prompt_start
+    variants = [("before", LlamaCppPredictor({}))] if compare else []
+    variants.append(("stable", LlamaCppPredictor({"stable_prompt_start": True})))
     backend = variants[-1][1]
     if cold_tokens:
-        variants.append(("cold", LlamaCppPredictor({"cold_prompt_tokens": cold_tokens})))
+        cold = {"stable_prompt_start": True, "cold_prompt_tokens": cold_tokens}
+        variants.append(("cold", LlamaCppPredictor(cold)))
     start = time.perf_counter()
     model = await asyncio.to_thread(backend.shared)
     slots = backend.settings.parallel
@@ -144,7 +138,8 @@ async def in_process(
     results = {}
     for label, variant in variants:
         variant.env = BackendEnv(log=logging.getLogger("bench"))
-        print(f"-- {label}: {type(variant).__name__} {variant.settings.cold_prompt_tokens=}")
+        s = variant.settings
+        print(f"-- {label}: {s.stable_prompt_start=} {s.cold_prompt_tokens=}")
         results[label] = await cases(variant, notebooks, n_cells, long)
     for label in [v for v, _ in variants[1:]] if compare else []:
         print(f"-- {label} / before (same process, same model, same cases)")

@@ -265,7 +265,9 @@ def cached_share(backend, ctx) -> tuple[int, int]:
 async def test_a_long_notebooks_next_prompt_is_served_by_the_cache(model_file, caplog):
     # Over the budget, consecutive prompts keep their first cell: the engine evaluates only
     # the new cell (a cut that moved with each cell evaluated all of it every time).
-    backend = llama(max_tokens=8, parallel=1, max_prompt_tokens=200, prompt_cells=0)
+    backend = llama(
+        max_tokens=8, parallel=1, max_prompt_tokens=200, prompt_cells=0, stable_prompt_start=True
+    )
     mark = f"# {secrets.token_hex(8)}"
     first = long_notebook(40, mark)
     assert len(backend.next_cell_prompt(first, backend.shared()).text) <= 600

@@ -106,6 +106,13 @@ class LlamaCppSettings(LocalModelSettings):
         description="a longer prompt keeps its newest part; this bounds a cold first answer"
         " (default: 1024, less if `n_ctx` minus the longest answer is less)",
     )
+    stable_prompt_start: bool = Field(
+        False,
+        description="a prompt over `max_prompt_tokens` loses its oldest cells in steps of half"
+        " the budget, so that consecutive prompts share their beginning and the engine's cache"
+        " serves them (off: the oldest part is cut anew for each prompt, which keeps the whole"
+        " budget of context but evaluates all of it every time; see README for both)",
+    )
     cold_prompt_tokens: int = Field(
         0,
         ge=0,
@@ -246,9 +253,12 @@ class LlamaCppPredictor(LocalModelPredictor):
 
     # -- generation ----------------------------------------------------------------------------
 
-    def prompt_chars(self) -> int:
-        """`max_prompt_tokens` in characters: the prompt builder keeps the newest cells within
-        it, cut in steps so that consecutive prompts share their beginning (the cache)."""
+    def prompt_chars(self) -> int | None:
+        """With `stable_prompt_start`, `max_prompt_tokens` in characters: the prompt builder
+        keeps the newest cells within it, cut in steps so that consecutive prompts share their
+        beginning (the cache). Otherwise None: `request` cuts each prompt to the budget."""
+        if not self.settings.stable_prompt_start:
+            return None
         return int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
 
     def cold_prompt(
