@@ -10,7 +10,11 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
    - *warmed*: the backend evaluated the prompt when the execution was recorded (`warm`);
    - *cold*: nothing of the prompt is cached (a first line unique to the request);
    first chunk and whole suggestion (n=1, greedy), and how many answers reached the limit.
-   Also: load time and generation speed.
+   Also: load time and generation speed. `--compare` runs the same cases first with the
+   defaults (each prompt cut to its budget anew), then with `stable_prompt_start`, in one
+   process on one loaded model, and prints the ratios; `--cold-tokens N` adds a run with
+   `cold_prompt_tokens` N too; `--long N` adds N long corpus
+   notebooks (over the prompt budget), whose prompts the cut once moved with every cell.
 2. Through a real `jupyter server` with the extension and no backend configured (the default
    is the local model): the server's RSS, the first request against the later ones over HTTP.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import statistics
 import sys
@@ -28,6 +33,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nbformat
@@ -41,6 +47,7 @@ from next_cell_latency import free_port, start_server, wait_until_up  # noqa: E4
 
 from jupyter_themisto.backends import NoPrediction  # noqa: E402
 from jupyter_themisto.backends._local import Completion  # noqa: E402
+from jupyter_themisto.backends.base import BackendEnv  # noqa: E402
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor  # noqa: E402
 from jupyter_themisto.context import ContextCell, PredictionContext  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
@@ -68,6 +75,21 @@ def context(sources: list[str], first_line: str | None = None) -> PredictionCont
 MISSES: list[str] = []
 
 
+def long_notebooks(n: int, cells: int) -> list[Path]:
+    """The first `n` corpus notebooks (manifest order) whose first `cells` code cells are over
+    the default prompt budget (about 3,000 characters)."""
+    import corpus
+
+    found = []
+    for path in corpus.notebooks():
+        sources = notebook_cells(path, cells)
+        if len(sources) >= cells and sum(len(s) + 7 for s in sources) > 4500:
+            found.append(path)
+        if len(found) >= n:
+            break
+    return found
+
+
 async def timed(backend: LlamaCppPredictor, ctx: PredictionContext) -> tuple[float, float, str]:
     """First chunk and whole answer in seconds, and its text; no answer (the time limit) counts
     as its whole time for both, and is listed in MISSES."""
@@ -82,6 +104,9 @@ async def timed(backend: LlamaCppPredictor, ctx: PredictionContext) -> tuple[flo
     except NoPrediction as e:
         MISSES.append(str(e))
     total = time.perf_counter() - start
+    # A cold answer warms the whole prompt after it: done before the next request, as a
+    # person reads a suggestion before running the next cell.
+    await backend.idle()
     return (first if first is not None else total), total, text
 
 
@@ -95,21 +120,54 @@ def ms(values: list[float]) -> str:
     )
 
 
-async def in_process(notebooks: list[Path], n_cells: int) -> None:
-    backend = LlamaCppPredictor({})
+async def in_process(
+    notebooks: list[Path], n_cells: int, long: list[Path], compare: bool, cold_tokens: int
+) -> None:
+    # before: the defaults (each prompt cut to its budget anew); stable: stable_prompt_start
+    variants = [("before", LlamaCppPredictor({}))] if compare else []
+    variants.append(("stable", LlamaCppPredictor({"stable_prompt_start": True})))
+    backend = variants[-1][1]
+    if cold_tokens:
+        cold = {"stable_prompt_start": True, "cold_prompt_tokens": cold_tokens}
+        variants.append(("cold", LlamaCppPredictor(cold)))
     start = time.perf_counter()
     model = await asyncio.to_thread(backend.shared)
     slots = backend.settings.parallel
-    print(f"model: {backend.model_path().name}; {backend.n_threads} threads, {slots}")
+    print(f"model: {backend.model_path().name}; {backend.n_threads} threads, {slots} slots")
     print(f"load: {(time.perf_counter() - start) * 1000:.0f} ms (once per process)")
+    results = {}
+    for label, variant in variants:
+        variant.env = BackendEnv(log=logging.getLogger("bench"))
+        s = variant.settings
+        print(f"-- {label}: {s.stable_prompt_start=} {s.cold_prompt_tokens=}")
+        results[label] = await cases(variant, notebooks, n_cells, long)
+    for label in [v for v, _ in variants[1:]] if compare else []:
+        print(f"-- {label} / before (same process, same model, same cases)")
+        for case in results[label]:
+            a, b = results["before"][case], results[label][case]
+            if a and b:
+                med = statistics.median(b) / statistics.median(a)
+                print(f"{case:28s} median x{med:.2f}, p90 x{p90(b) / p90(a):.2f}")
+    await generation_speed(backend, model, notebooks[0])
+
+
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+async def cases(
+    backend: LlamaCppPredictor, notebooks: list[Path], n_cells: int, long: list[Path]
+) -> dict[str, list[float]]:
     limit = backend.settings.suggestion_timeout
     session_first, session_total, warm_first, cold_first, cold_total = [], [], [], [], []
     for path in notebooks:
         cells = notebook_cells(path, n_cells)
-        await timed(backend, context(cells[:2]))
+        # (a first line of this run's own: no earlier run's prompt is in the engine's cache)
+        run = f"# {uuid.uuid4()}"
+        await timed(backend, context(cells[:2], run))
         for k in range(3, len(cells) + 1):
             # The person ran cell k: the prompt up to it is the previous one plus that cell.
-            first, total, _ = await timed(backend, context(cells[:k]))
+            first, total, _ = await timed(backend, context(cells[:k], run))
             session_first.append(first)
             session_total.append(total)
             # Cold: a first line no earlier prompt had.
@@ -132,12 +190,37 @@ async def in_process(notebooks: list[Path], n_cells: int) -> None:
     print(f"whole suggestion, prefix cached:           {ms(session_total)}")
     print(f"whole suggestion, cold:                    {ms(cold_total)}")
     everything = session_total + cold_total
+    long_first: list[float] = []
+    for path in long:
+        # A long notebook run cell by cell, each prompt's prefix cached by the one before:
+        # over the budget, the prompt's beginning has to move now and then.
+        cells = notebook_cells(path, 40)
+        mark = f"# {uuid.uuid4()}"
+        await timed(backend, context(cells[:9], mark))
+        for k in range(10, len(cells) + 1):
+            first, total, _ = await timed(backend, context(cells[:k], mark))
+            long_first.append(first)
+            everything.append(total)
+    if long:
+        print(
+            f"first chunk, long notebooks ({len(long)}, cells 10-40, prefix cached):"
+            f" {ms(long_first)}"
+        )
     over = sum(1 for t in everything if t > limit + 0.05)
     print(
         f"suggestions over {limit:g} s: {over} of {len(everything)} (max {max(everything):.2f} s)"
     )
+    return {
+        "first chunk, prefix cached": session_first,
+        "first chunk, warmed": warm_first,
+        "first chunk, cold": cold_first,
+        "whole suggestion, cached": session_total,
+        "first chunk, long notebooks": long_first,
+    }
 
-    cells = notebook_cells(notebooks[0], 12)
+
+async def generation_speed(backend: LlamaCppPredictor, model: Any, notebook: Path) -> None:
+    cells = notebook_cells(notebook, 12)
     prompt = "".join(f"# %%\n{s}\n\n" for s in cells) + "# %%\nfor i in range(100):\n"
     body = backend.request(Completion(prompt, [], 64, time_limit=30), stream=False)
     body["ignore_eos"] = True
@@ -201,10 +284,21 @@ def main() -> None:
     p.add_argument("--notebooks", type=int, default=len(NOTEBOOKS))
     p.add_argument("--cells", type=int, default=16)
     p.add_argument("--repeat", type=int, default=8)
+    p.add_argument("--compare", action="store_true", help="also the backend as it was before")
+    p.add_argument("--long", type=int, default=0, metavar="N", help="N long corpus notebooks")
+    p.add_argument("--no-server", action="store_true", help="skip the jupyter server part")
+    p.add_argument(
+        "--cold-tokens", type=int, default=0, metavar="N", help="also with cold_prompt_tokens N"
+    )
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print("== in process")
-    asyncio.run(in_process(NOTEBOOKS[: args.notebooks], args.cells))
+    long = long_notebooks(args.long, 40) if args.long else []
+    asyncio.run(
+        in_process(NOTEBOOKS[: args.notebooks], args.cells, long, args.compare, args.cold_tokens)
+    )
+    if args.no_server:
+        return
     print("== through a jupyter server")
     asyncio.run(through_server(args.repeat))
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")

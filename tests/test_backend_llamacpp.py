@@ -244,6 +244,61 @@ async def test_warm_evaluates_the_prompt_ahead(model_file):
     assert cached >= answer["usage"]["prompt_tokens"] - 1  # all of it came from the cache
 
 
+def long_notebook(n: int, mark: str) -> PredictionContext:
+    cells = [ContextCell(source=mark, execution_count=0, order_index=0)]
+    for i in range(1, n):
+        source = f"part_{i} = frame.loc[frame['group'] == {i}, ['a', 'b']].mean()  # step {i}"
+        cells.append(ContextCell(source=source, execution_count=i, order_index=i))
+    return PredictionContext(cells=cells, with_runtime=False)
+
+
+def cached_share(backend, ctx) -> tuple[int, int]:
+    """(tokens of the prompt of `ctx`, how many the engine's cache held), asked directly."""
+    model = backend.shared()
+    body = backend.request(Completion.of(backend.next_cell_prompt(ctx, model), 1), stream=False)
+    with model.lock:
+        answer = model.model.handle_completions(body)
+    usage = answer["usage"]
+    return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_a_long_notebooks_next_prompt_is_served_by_the_cache(model_file, caplog):
+    # Over the budget, consecutive prompts keep their first cell: the engine evaluates only
+    # the new cell (a cut that moved with each cell evaluated all of it every time).
+    backend = llama(
+        max_tokens=8, parallel=1, max_prompt_tokens=200, prompt_cells=0, stable_prompt_start=True
+    )
+    mark = f"# {secrets.token_hex(8)}"
+    first = long_notebook(40, mark)
+    assert len(backend.next_cell_prompt(first, backend.shared()).text) <= 600
+    caplog.set_level("DEBUG", logger="jupyter_themisto")
+    await next_cells(backend, first)
+    assert "from the cache" in caplog.text  # what the engine reused is logged per answer
+    total, cached = cached_share(backend, long_notebook(41, mark))
+    assert cached >= total - 40, (total, cached)
+
+
+async def test_a_cold_prompt_is_answered_short_and_evaluated_whole_after(model_file, caplog):
+    backend = llama(max_tokens=8, parallel=1, cold_prompt_tokens=60, prompt_cells=0)
+    model = backend.shared()
+    ctx = long_notebook(12, f"# {secrets.token_hex(8)}")
+    whole = backend.next_cell_prompt(ctx, model)
+    short = backend.cold_prompt(ctx, model, whole)
+    assert short is not None and len(short.text) <= 180 < len(whole.text)
+    assert whole.text.endswith(short.text)  # the newest cells, as the whole prompt has them
+    caplog.set_level("INFO", logger="jupyter_themisto")
+    await next_cells(backend, ctx)
+    assert "cold prompt" in caplog.text
+    await backend.idle()  # the whole prompt is evaluated after the answer
+    assert backend.cold_prompt(ctx, model, whole) is None
+    total, cached = cached_share(backend, ctx)
+    assert cached >= total - 1, (total, cached)
+    # Off: the whole prompt, however cold.
+    off = llama(max_tokens=8, cold_prompt_tokens=0)
+    fresh = long_notebook(12, f"# {secrets.token_hex(8)}")
+    assert off.cold_prompt(fresh, model, off.next_cell_prompt(fresh, model)) is None
+
+
 async def test_smollm2_stays_available(model_file):
     assert bundled_model_path() is not None
     tiny = llama(model="smollm2-135m", max_tokens=16)

@@ -185,3 +185,54 @@ def test_options_from_backend_settings():
     ]:
         with pytest.raises(ValueError, match=match):
             PromptOptions.from_settings(bad)
+
+
+def grown(n, markdown=False):
+    """A notebook of `n` executed cells of about 60 characters (with a markdown cell above
+    each with `markdown`), as the context has them."""
+    cells = []
+    for i in range(n):
+        if markdown:
+            cells.append(ContextCell(source=f"Step {i}: what comes next", cell_type="markdown"))
+        source = f"frame_{i} = load_part({i}, columns=['a', 'b'])  # part {i:03d}"
+        cells.append(ContextCell(source=source, execution_count=i + 1, order_index=i))
+    return PredictionContext(cells=cells)
+
+
+def test_a_long_prompt_is_cut_in_steps_so_consecutive_prompts_share_their_beginning():
+    options = PromptOptions(cells=0)  # every cell: only the character budget cuts
+    budget = 1000
+    prompts = [next_cell_prompt(grown(n), options, max_chars=budget).text for n in range(1, 80)]
+    starts = [p.split("\n", 2)[1] for p in prompts]
+    for n, p in enumerate(prompts, start=1):
+        assert len(p) <= budget
+        assert f"part {n - 1:03d}" in p  # the newest cell is always there
+        if len(next_cell_prompt(grown(n), options).text) > budget:
+            assert len(p) >= budget // 2 - 80  # at most half the budget (and a cell) is lost
+    # The beginning moved a few times in 79 cells (every half budget of new code), not with
+    # each cell; between moves each prompt is the one before with the new cell appended.
+    moves = sum(a != b for a, b in zip(starts, starts[1:], strict=False))
+    assert 1 <= moves <= 79 * 70 // (budget // 2) + 1
+    kept = [
+        b
+        for a, b in zip(prompts, prompts[1:], strict=False)
+        if b.startswith(a.removesuffix("# %%\n"))
+    ]
+    assert len(kept) == len(prompts) - 1 - moves
+    # Without a budget the prompt is the whole window, as before.
+    assert next_cell_prompt(grown(30), options).text.count("# %%\n") == 31
+
+
+def test_a_cut_keeps_markdown_with_the_cell_below_it_and_fits_a_suffix():
+    options = PromptOptions(cells=0, below=True)
+    for n in range(5, 40):
+        ctx = grown(n, markdown=True)
+        p = next_cell_prompt(ctx, options, max_chars=900)
+        assert p.text.startswith("# %% [markdown]\n# Step ")
+        ctx.cells_below = [ContextCell(source="y = 1\n" * 200)]
+        fim = next_cell_prompt(ctx, options, QWEN_FIM, max_chars=900)
+        # The script keeps three quarters of the budget, the cells below a quarter.
+        assert len(fim.prefix) <= 900 - 900 // 4 and len(fim.suffix or "") <= 900 // 4
+        assert fim.text.startswith("<|fim_prefix|># %% [markdown]")
+    chat = next_cell_prompt(grown(60), PromptOptions(cells=0, template="chatml"), max_chars=1500)
+    assert len(chat.text) <= 1500 and chat.text.startswith("<|im_start|>system")

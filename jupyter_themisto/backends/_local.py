@@ -15,6 +15,7 @@ import atexit
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -90,6 +91,16 @@ class SharedModel:
         self.lock = threading.BoundedSemaphore(slots)
         #: the cancel flags of the generations running now (set all of them to stop them)
         self.running: set[threading.Event] = set()
+        #: the prompts evaluated last (newest last): what an engine's prompt cache may hold
+        self.recent: deque[str] = deque(maxlen=8)
+
+    def remember(self, prompt: str) -> None:
+        self.recent.append(prompt)
+
+    def holds(self, prompt: str) -> bool:
+        """Whether a recent prompt shares at least half of `prompt`'s beginning (so that the
+        engine's cache spares evaluating most of it)."""
+        return any(len(os.path.commonprefix([prompt, r])) * 2 >= len(prompt) for r in self.recent)
 
 
 _models: dict[Hashable, SharedModel] = {}
@@ -270,6 +281,8 @@ class LocalModelPredictor(Predictor):
         #: warm-ups running, by notebook (kernel id, else path), and the one to run next
         self._warming: dict[str, asyncio.Future[None]] = {}
         self._next_warm: dict[str, PredictionContext] = {}
+        #: warm-ups started after a cold answer, by notebook (kept until done)
+        self._background: dict[str, asyncio.Future[None]] = {}
 
     def shared(self) -> SharedModel:
         raise NotImplementedError
@@ -313,6 +326,38 @@ class LocalModelPredictor(Predictor):
         # Asked only when the prompt would use them (the cells below are off by default).
         return self.fim_tokens(model) if self.prompt_options.below else None
 
+    def prompt_chars(self) -> int | None:
+        """The most characters of a next-cell prompt (None: the engine takes any length)."""
+        return None
+
+    def next_cell_prompt(self, ctx: PredictionContext, model: SharedModel) -> Prompt:
+        """The next-cell prompt of `ctx` for this model (within `prompt_chars`)."""
+        return next_cell_prompt(ctx, self.prompt_options, self._fim(model), self.prompt_chars())
+
+    def cold_prompt(
+        self, ctx: PredictionContext, model: SharedModel, prompt: Prompt
+    ) -> Prompt | None:
+        """A shorter prompt to answer with when the engine's cache holds nothing of `prompt`
+        (evaluating all of it would take seconds); None: answer with `prompt`. Engines that
+        keep a prompt cache override this; the whole prompt is evaluated after the answer."""
+        return None
+
+    async def idle(self) -> None:
+        """Wait for the warm-ups started after cold answers (benchmarks, tests)."""
+        while self._background:
+            await asyncio.gather(*self._background.values(), return_exceptions=True)
+
+    def _warm_later(self, ctx: PredictionContext, model: SharedModel, prompt: Prompt) -> None:
+        # Remembered now: a request asked before the warm-up starts finds it coming (and waits
+        # for it in `_settle`) instead of answering cold again.
+        model.remember(prompt.prefix)
+        key = _notebook_key(ctx)
+        task = asyncio.ensure_future(self.warm(ctx))
+        self._background[key] = task
+        task.add_done_callback(
+            lambda done: self._background.pop(key) if self._background.get(key) is done else None
+        )
+
     async def _model(self) -> SharedModel:
         # Loading takes long enough (a model file, weights) to keep it off the event loop.
         return await asyncio.to_thread(self.shared)
@@ -326,6 +371,7 @@ class LocalModelPredictor(Predictor):
         loading the model not). An answer ended by its time sets `status["timed_out"]`."""
         model = await self._model()
         job = replace(job, time_limit=job.time_limit or self.settings.suggestion_timeout)
+        model.remember(job.prompt)
         scanner = StopScanner(job.stops)
         fences = FenceStripper()
         bounds = AnswerBounds(max_lines=self.settings.max_lines)
@@ -377,7 +423,29 @@ class LocalModelPredictor(Predictor):
         answer within the time gets no further attempts.
         """
         model = await self._model()
-        prompt = next_cell_prompt(ctx, self.prompt_options, self._fim(model))
+        prompt = self.next_cell_prompt(ctx, model)
+        short = self.cold_prompt(ctx, model, prompt)
+        if short is None:
+            async for chunk in self._next_cell(ctx, model, prompt, n):
+                yield chunk
+            return
+        newest = max((c.order_index or 0 for c in ctx.cells), default=0)
+        self.env.log.info(
+            "%s: cold prompt (%s after %s): answered from its newest cells",
+            self.name,
+            ctx.trajectory_id or ctx.notebook_path,
+            newest,
+        )
+        try:
+            async for chunk in self._next_cell(ctx, model, short, n):
+                yield chunk
+        finally:
+            # The next suggestion of this notebook then finds the whole prompt evaluated.
+            self._warm_later(ctx, model, prompt)
+
+    async def _next_cell(
+        self, ctx: PredictionContext, model: SharedModel, prompt: Prompt, n: int
+    ) -> AsyncIterator[NextCellChunk]:
         previous = _previous_cell(ctx)
         wanted = max(1, n)
         dropped: list[str] = []
@@ -503,8 +571,9 @@ class LocalModelPredictor(Predictor):
         model = await self._model()
         next_ctx: PredictionContext | None = ctx
         while next_ctx is not None:
-            prompt = next_cell_prompt(next_ctx, self.prompt_options, self._fim(model))
+            prompt = self.next_cell_prompt(next_ctx, model)
             job = Completion.of(prompt, max_tokens=1)
+            model.remember(job.prompt)
             task = asyncio.ensure_future(asyncio.to_thread(self.prefill, model, job))
             self._warming[key] = task
             try:
@@ -517,7 +586,8 @@ class LocalModelPredictor(Predictor):
     async def _settle(self, ctx: PredictionContext) -> None:
         """Wait (within the suggestion's time) for a warm-up of this notebook still running:
         starting beside it would evaluate the same prompt twice, on the same cores."""
-        task = self._warming.get(_notebook_key(ctx))
+        key = _notebook_key(ctx)
+        task = self._warming.get(key) or self._background.get(key)
         if task is not None and not task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(task), self.settings.suggestion_timeout / 2)

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from ..context import PredictionContext
 from . import model_files
 from ._local import (
     Completion,
@@ -33,7 +34,7 @@ from ._local import (
     shared_model,
 )
 from .base import BackendError, BackendUnavailable
-from .prompts import QWEN_FIM, FimTokens
+from .prompts import QWEN_FIM, FimTokens, Prompt, next_cell_prompt
 
 #: characters per token assumed when a prompt is cut to max_prompt_tokens (code: ~3.5-4)
 CHARS_PER_TOKEN = 3.0
@@ -104,6 +105,22 @@ class LlamaCppSettings(LocalModelSettings):
         ge=0,
         description="a longer prompt keeps its newest part; this bounds a cold first answer"
         " (default: 1024, less if `n_ctx` minus the longest answer is less)",
+    )
+    stable_prompt_start: bool = Field(
+        False,
+        description="a prompt over `max_prompt_tokens` loses its oldest cells in steps of half"
+        " the budget, so that consecutive prompts share their beginning and the engine's cache"
+        " serves them (off: the oldest part is cut anew for each prompt, which keeps the whole"
+        " budget of context but evaluates all of it every time; see README for both)",
+    )
+    cold_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="a next-cell prompt the engine's cache holds no beginning of (a notebook's"
+        " first suggestion, or when the prompt's first cell moved) keeps only its newest cells"
+        " within this many tokens (e.g. 256), to be answered sooner; the whole prompt is"
+        " evaluated after the answer, for the next one (0, the default: always the whole"
+        " prompt; see README for what it cost in chrF)",
     )
     cache_ram_mb: int = Field(
         256, description="MB of earlier prompts' states kept in RAM for later requests"
@@ -236,8 +253,25 @@ class LlamaCppPredictor(LocalModelPredictor):
 
     # -- generation ----------------------------------------------------------------------------
 
+    def prompt_chars(self) -> int | None:
+        """With `stable_prompt_start`, `max_prompt_tokens` in characters: the prompt builder
+        keeps the newest cells within it, cut in steps so that consecutive prompts share their
+        beginning (the cache). Otherwise None: `request` cuts each prompt to the budget."""
+        if not self.settings.stable_prompt_start:
+            return None
+        return int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
+
+    def cold_prompt(
+        self, ctx: PredictionContext, model: SharedModel, prompt: Prompt
+    ) -> Prompt | None:
+        cold_chars = int(self.settings.cold_prompt_tokens * CHARS_PER_TOKEN)
+        if not cold_chars or len(prompt.prefix) <= cold_chars or model.holds(prompt.prefix):
+            return None
+        return next_cell_prompt(ctx, self.prompt_options, self._fim(model), cold_chars)
+
     def request(self, job: Completion, *, stream: bool = True) -> dict[str, Any]:
         """The llama.cpp server completion request for `job`."""
+        # (prompts from `next_cell_prompt` fit already; this bounds any other)
         max_chars = int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
         if job.suffix is not None:
             # Fill in the middle: the prefix keeps its end, the suffix its beginning, and the
@@ -285,6 +319,16 @@ class LlamaCppPredictor(LocalModelPredictor):
                     str(error.get("message", error) if isinstance(error, dict) else error)
                 )
                 return True
+            timings = chunk.get("timings")
+            if isinstance(timings, dict):
+                # How much of the prompt the engine's cache held: a prompt whose beginning
+                # changed is evaluated again in full (the slow, "cold" case).
+                self.env.log.debug(
+                    "llamacpp: prompt %s tokens, %s of them from the cache, evaluated in %.0f ms",
+                    timings.get("prompt_n", 0) + timings.get("cache_n", 0),
+                    timings.get("cache_n"),
+                    timings.get("prompt_ms", 0.0),
+                )
             choices = chunk.get("choices") or [{}]
             text = choices[0].get("text") or ""
             if text:

@@ -228,30 +228,59 @@ def _markdown_lines(cell: ContextCell) -> list[str]:
     return [f"{CELL_MARKER} [markdown]"] + ["# " + line for line in cell.source.splitlines()]
 
 
+def stable_start(blocks: list[str], fixed: int, max_chars: int | None, after: list[bool]) -> int:
+    """The first of `blocks` (the rendered cells, oldest first) a prompt of at most `max_chars`
+    keeps, besides `fixed` characters that are always there.
+
+    Old cells go in steps of half the budget, counted from the first block: the cut stays at
+    the same cell while the newest cells add up to half a budget, so consecutive prompts share
+    their beginning and the engine's prompt cache serves all but the new cells (a cut that
+    moved with every new cell would make each prompt new: a prefill of the whole budget, the
+    slow "cold" case, every time). Between half and all of the budget is kept. `after[i]`
+    says whether block i may begin the prompt (not a code cell right below its markdown).
+    """
+    total = fixed + sum(len(b) for b in blocks)
+    if max_chars is None or total <= max_chars or not blocks:
+        return 0
+    step = max(1, max_chars // 2)
+    over = total - max_chars
+    threshold = -(-over // step) * step  # `over` rounded up to whole steps
+    dropped = 0
+    for i, block in enumerate(blocks):
+        if dropped >= threshold and after[i]:
+            return i
+        dropped += len(block)
+    return len(blocks) - 1  # the newest cell alone is over the budget (the engine cuts it)
+
+
 def next_cell_prompt(
     ctx: PredictionContext,
     options: PromptOptions | None = None,
     fim: FimTokens | None = None,
+    max_chars: int | None = None,
 ) -> Prompt:
     """The next cell as the open last cell of a percent-format script.
 
     The executed cells (newest `options.cells`) as plain code in the order they ran, markdown
     cells where they stand, the runtime summary where `options.runtime` puts it, and with `fim`
     and cells below the insertion point a fill-in-the-middle prompt whose suffix holds them.
+    With `max_chars`, the script (the suffix has its own quarter of it) keeps its newest cells
+    within that many characters, its beginning moved in steps (`stable_start`).
     """
     options = options or PromptOptions()
     cells = [c for c in ctx.cells if options.markdown or c.cell_type != "markdown"]
     cells = _window(cells, options)
     newest = max((i for i, c in enumerate(cells) if c.cell_type == "code"), default=-1)
-    lines: list[str] = []
+    head: list[str] = []
     variables = [variable_line(v) for v in ctx.variables] if ctx.with_runtime else []
     if variables and options.runtime == "header":
-        lines += ['"""Live variables of the kernel:', *variables, '"""', ""]
+        head += ['"""Live variables of the kernel:', *variables, '"""', ""]
+    blocks: list[str] = []
     for i, c in enumerate(cells):
         if c.cell_type == "markdown":
-            lines += _markdown_lines(c) + [""]
+            blocks.append("\n".join(_markdown_lines(c) + [""]) + "\n")
             continue
-        lines += [CELL_MARKER, c.source.rstrip()]
+        lines = [CELL_MARKER, c.source.rstrip()]
         # Outputs and errors are runtime information too: shown only with it.
         if (
             ctx.with_runtime
@@ -259,30 +288,40 @@ def next_cell_prompt(
             and (options.outputs == "all" or (options.outputs == "last" and i == newest))
         ):
             lines += _output_lines(c, options.max_output_lines)
-        lines.append("")
+        blocks.append("\n".join(lines + [""]) + "\n")
+    tail: list[str] = []
     if variables and options.runtime == "end":
-        lines += ["# Live variables:", *("#   " + v for v in variables), ""]
+        tail += ["# Live variables:", *("#   " + v for v in variables), ""]
+    tail += [CELL_MARKER, ""]
+    head_text, tail_text = "".join(line + "\n" for line in head), "\n".join(tail)
+    below_wanted = fim is not None and options.below and bool(ctx.cells_below)
+    budget = max_chars - max_chars // 4 if max_chars is not None and below_wanted else max_chars
+    if budget is not None and options.template == "chatml":
+        budget -= len(_chatml(""))
+    may_begin = [
+        c.cell_type == "markdown" or i == 0 or cells[i - 1].cell_type != "markdown"
+        for i, c in enumerate(cells)
+    ]
+    start = stable_start(blocks, len(head_text) + len(tail_text), budget, may_begin)
     # Engines read special tokens spelled in the prompt as such: none may come from the notebook.
-    prefix = _SPECIAL.sub("", "\n".join(lines + [CELL_MARKER, ""]))
+    prefix = _SPECIAL.sub("", head_text + "".join(blocks[start:]) + tail_text)
     stops = [CELL_MARKER, "\n# Out:"]
     if options.template == "chatml":
-        script = prefix
-        text = (
-            f"<|im_start|>system\n{NEXT_CELL_INSTRUCTIONS}<|im_end|>\n<|im_start|>user\n"
-            f"```python\n{script}```<|im_end|>\n<|im_start|>assistant\n```python\n"
-        )
+        text = _chatml(prefix)
         return Prompt(text=text, stops=stops + ["```", "<|im_end|>"], prefix=text, special=True)
     below = [c for c in ctx.cells_below if options.markdown or c.cell_type != "markdown"]
     below = below[: options.below_cells]
     if fim is None or not options.below or not below:
         return Prompt(text=prefix, stops=stops, prefix=prefix)
-    tail: list[str] = []
+    after: list[str] = []
     for c in below:
         if c.cell_type == "markdown":
-            tail += _markdown_lines(c) + [""]
+            after += _markdown_lines(c) + [""]
         else:
-            tail += [CELL_MARKER, c.source.rstrip(), ""]
-    suffix = _SPECIAL.sub("", "\n" + "\n".join(tail))
+            after += [CELL_MARKER, c.source.rstrip(), ""]
+    suffix = _SPECIAL.sub("", "\n" + "\n".join(after))
+    if max_chars is not None:
+        suffix = suffix[: max_chars // 4]
     text = fim.prefix + prefix + fim.suffix + suffix + fim.middle
     return Prompt(
         text=text,
@@ -291,6 +330,14 @@ def next_cell_prompt(
         suffix=suffix,
         special=True,
         fim=fim,
+    )
+
+
+def _chatml(script: str) -> str:
+    """`script` inside an instruct model's ChatML conversation, the answer's fence opened."""
+    return (
+        f"<|im_start|>system\n{NEXT_CELL_INSTRUCTIONS}<|im_end|>\n<|im_start|>user\n"
+        f"```python\n{script}```<|im_end|>\n<|im_start|>assistant\n```python\n"
     )
 
 
@@ -392,6 +439,7 @@ __all__ = [
     "completion_prompt",
     "next_cell_prompt",
     "output_prompt",
+    "stable_start",
     "render_context",
     "render_prompt",
 ]
