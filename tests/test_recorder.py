@@ -365,6 +365,9 @@ def test_store_that_cannot_be_opened_at_load(tmp_path):
         status = k.run("%themisto status").of("stream")[0]["text"]
         assert "store: None" in status
         assert int(status.split("errors: ")[1].split()[0]) >= 1
+        # The writer records each execution just after the reply: let it try (and fail) for
+        # the status cell too before the folder can be made.
+        k.settle()
         # The folder can be made now: the trajectory starts, with what ran before as 'lost'.
         blocker.unlink()
         after = k.run("x = 1")
