@@ -1,16 +1,16 @@
 """Runs a cell speculatively in an isolated fork of the kernel and returns what it would show.
 
-The server calls `run_preview(source)` through a silent execute_request's user_expressions.
-A kernel that may create namespaces (root) forks the preview's first process straight into new
+The server calls `run_preview(source)` through a silent execute_request's user_expressions. A
+kernel that may create namespaces (root) forks the preview's first process straight into new
 ones (`sandbox.fork_into_namespaces`); any other kernel forks a monitor, which enters a user
 namespace and the others and forks the first process into them. That process isolates itself —
 private copy-on-write root, no descriptor shared with the kernel but the reply pipe, no
 capability, Landlock, seccomp — runs the cell against its copy-on-write namespace as the kernel
 would (streams interleaved as ipykernel publishes them, displays, the last expression's
 execute_result formatted by the shell's own display formatter, the input history, the state of
-`random`), sends the outputs back as JSON and leaves with os._exit. The kernel reads the reply
-within bounds of time, bytes and memory, and kills the whole namespace at the end, whatever it is
-doing.
+`random` and numpy's global generator), sends the outputs back as JSON and leaves with os._exit.
+The kernel reads the reply within bounds of time, bytes and memory, and kills the whole
+namespace at the end, whatever it is doing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ast
 import contextlib
 import errno
 import gc
+import importlib
 import io
 import json
 import os
@@ -351,10 +352,26 @@ def _serial_openmp() -> None:
         pass
 
 
+#: modules that seed a random generator from the OS when first imported, each with the package
+#: whose import makes it likely (None: always): numpy loads numpy.random only when first used
+#: (numpy >= 2). Imported first in a preview, the preview's numbers would come from other entropy
+#: than the real run's, which imports the module itself later (`KFold(shuffle=True)`,
+#: `np.random.rand()` without a seed), so the kernel imports them before the fork.
+SEEDED_ON_IMPORT = ((None, "random"), ("numpy", "numpy.random"))
+
+
+def _import_seeded_modules() -> None:
+    for package, module in SEEDED_ON_IMPORT:
+        if module not in sys.modules and (package is None or package in sys.modules):
+            with contextlib.suppress(Exception):
+                importlib.import_module(module)
+
+
 class _KernelState:
     """What the child must take over from the kernel as it was just before the fork."""
 
     def __init__(self) -> None:
+        _import_seeded_modules()
         compiler = sys.modules.get("ipykernel.compiler")
         #: the kernel's folder of cell files (its name holds the kernel's pid)
         self.cell_dir = compiler.get_tmp_directory() if compiler is not None else None
