@@ -307,6 +307,26 @@ async def test_stopped_preview_falls_back(jp_fetch, jp_serverapp, jp_root_dir, s
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
 
+@pytest.mark.parametrize(
+    "fallback, preview_timeout, preview_settings", [("repeat-previous", 60.0, {"cpu_seconds": 1})]
+)
+async def test_a_preview_stopped_by_its_cpu_bound_falls_back_and_says_why(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    kernel_id = await live_kernel(
+        jp_fetch, jp_serverapp, jp_root_dir, store_path, "print('recorded output')"
+    )
+    try:
+        events = await predict(jp_fetch, kernel_id, "while True:\n    pass")
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "recorded output\n"
+        # (the frontend words the note from cpu_bound)
+        meta = next(d for n, d in events if n == "chunk")["metadata"]["preview"]
+        assert meta["fallback"] == "repeat-previous" and meta["cpu_bound"] == 1, meta
+        assert meta["stopped"] == ["use more than the preview's 1 CPU second"]
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
 @pytest.mark.parametrize("fallback", ["llamacpp"])
 async def test_stopped_preview_falls_back_to_a_local_model(
     jp_fetch, jp_serverapp, jp_root_dir, store_path

@@ -273,6 +273,8 @@ class PreviewPredictor(Predictor):
         if reply.get("status") == "cancelled":
             raise NoPrediction("preview cancelled")
         meta = {"preview": {k: reply.get(k) for k in ("stopped", "sandbox", "status")}}
+        if "cpu_bound" in reply:
+            meta["preview"]["cpu_bound"] = reply["cpu_bound"]
         if reply.get("status") != "ok" or stopped:
             from ..kernel.preview import WAITS_FOR_INPUT
 

@@ -9,6 +9,7 @@ import { CommandRegistry } from '@lumino/commands';
 import { PanelLayout, Widget } from '@lumino/widgets';
 
 import { streamPrediction } from '../common/predict';
+import { noPredictionText, standInNote } from '../common/result';
 import { ThemistoService } from '../common/service';
 import { outputsMatch, outputsText, PredictedOutput, PredictionBadge } from './predicted';
 
@@ -67,11 +68,12 @@ export class OutputPredictions {
     })
       .then(result => {
         if (result.noPrediction && !result.output) {
-          widget.setState('none', result.noPrediction);
+          widget.setState('none', noPredictionText(result, this._trans));
         } else {
           const took = result.elapsedMs !== null ? `${Math.round(result.elapsedMs)} ms` : '';
           widget.setText(result.output);
-          const detail = [result.backend, took, result.note].filter(Boolean).join(', ');
+          const note = standInNote(result, this._trans);
+          const detail = [result.backend, took, note].filter(Boolean).join(', ');
           widget.setState('done', detail);
         }
       })
