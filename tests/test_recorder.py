@@ -476,3 +476,51 @@ def test_large_outputs_are_written_off_the_kernel_thread(tmp_path):
     with TrajectoryStore(tmp_path / "t.sqlite") as store:
         rows = store.list_executions("t1")
     assert [r["source"] for r in rows] == ["cell 0", "cell 1", "cell 2"] and not errors
+
+
+def test_wait_idle_returns_only_once_everything_handed_over_is_done(tmp_path):
+    """`settle()` (and every test that reads the store after it) trusts wait_idle: it may not
+    return while a job handed over is still queued, even one handed over just as the thread
+    finished the one before and was marking itself idle (a moment a loaded machine may pick:
+    here it is picked on purpose)."""
+    import threading
+
+    from jupyter_themisto.kernel.writer import RecordWriter
+
+    writer = RecordWriter(
+        lambda timeout: TrajectoryStore(tmp_path / "t.sqlite", timeout=timeout),
+        report=lambda what, e: None,
+    )
+    marking_idle, handed_over, done = threading.Event(), threading.Event(), threading.Event()
+
+    class Idle(threading.Event):
+        def set(self) -> None:
+            if threading.current_thread().name == "themisto-writer" and not marking_idle.is_set():
+                marking_idle.set()
+                handed_over.wait(2)  # (in vain if handing over waits for this thread)
+            super().set()
+
+    writer._idle = Idle()
+    writer._idle.set()
+
+    def slow_job(store) -> None:
+        time.sleep(0.3)  # long enough for a wrong "idle" to be seen before it is done
+        done.set()
+
+    result: list[bool] = []
+
+    def kernel_thread() -> None:
+        # Not the writer's owner thread: each job goes through the queue.
+        writer.submit(lambda store: None)
+        assert marking_idle.wait(30)
+        writer.submit(slow_job)
+        handed_over.set()
+        result.append(writer.wait_idle(30) and done.is_set())
+
+    try:
+        worker = threading.Thread(target=kernel_thread)
+        worker.start()
+        worker.join(60)
+    finally:
+        writer.close()
+    assert result == [True]
