@@ -150,9 +150,15 @@ class World:
         }
         self.sock_port = int(self.kernel.value("sock.getsockname()[1]"))
         self.clock = time.time() - time.monotonic()
+        # The recorder's snapshot of the setup cell (taken at the first silent request above,
+        # in a child of the kernel on a loaded machine) is over before anything is observed.
+        running = "__import__('jupyter_themisto.kernel').kernel.get_recorder().snapshots.running()"
+        deadline = time.monotonic() + 120
+        while self.kernel.value(running) != "0":
+            assert time.monotonic() < deadline, "the setup cell's snapshot never finished"
+            time.sleep(0.1)
         self.children = [c.pid for c in psutil.Process(self.kernel.pid).children(recursive=True)]
         self.kernel.iopub.clear()
-        time.sleep(0.5)  # the recorder's snapshot of the setup cell
 
     def fill(self, source: str) -> str:
         for token, value in self.tokens.items():

@@ -234,9 +234,17 @@ async def test_preview_through_the_server(jp_fetch, jp_serverapp, jp_root_dir, s
         events = await predict(jp_fetch, kernel_id, "ys")
         assert "".join(d["text"] for n, d in events if n == "chunk") == "[5]\n", events
 
-        # Busy: a running cell is never queued behind.
+        # Busy: a running cell is never queued behind. (The cell runs until the test lets it
+        # end: a fixed time could run out first on a loaded machine.)
         kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-        sleep = run_cell(jp_serverapp, kernel_id, "import time; time.sleep(6)")
+        release = jp_root_dir / "release-the-cell"
+        sleep = run_cell(
+            jp_serverapp,
+            kernel_id,
+            "import os, time\n_end = time.monotonic() + 50\n"
+            f"while not os.path.exists({str(release)!r}) and time.monotonic() < _end:\n"
+            "    time.sleep(0.05)",
+        )
         sleeping = asyncio.create_task(sleep)
         await wait_for(lambda: kernel.execution_state == "busy")
         # The new client's kernel_info_request is busy for a moment too: outlast it.
@@ -245,6 +253,7 @@ async def test_preview_through_the_server(jp_fetch, jp_serverapp, jp_root_dir, s
         events = await predict(jp_fetch, kernel_id, "xs")
         assert [n for n, _ in events if n == "no_prediction"], events
         assert "kernel busy" in [d for n, d in events if n == "no_prediction"][0]["reason"]
+        release.touch()
 
         # The person's namespace is untouched by the previews.
         await sleeping
