@@ -29,6 +29,10 @@ def fallback_settings(fallback, request):
     if fallback == "openai":  # a loopback model server stands in
         peer = request.getfixturevalue("peer")
         return {"openai": {"base_url": peer.url, "api_key": "loopback", "max_retries": 0}}
+    if fallback == "llamacpp":
+        # A whole answer within the default 5 s is not what is tested here: a loaded machine
+        # ended it before the model's first word (an empty answer).
+        return {"llamacpp": {"suggestion_timeout": 120.0}}
     return {}
 
 
