@@ -63,17 +63,22 @@ rwf = open("@WORK@/rw.bin", "r+b")
 rwf.seek(100)
 import io
 _kernel_pid = os.getpid()
+def _sprung():
+    # (who sprang it, and from where: a fork of the kernel is the preview or a snapshot child)
+    import traceback
+    where = "".join(traceback.format_stack(limit=8)[:-1]).replace("\n", " | ")
+    open("@WORK@/trap.log", "a").write(f"ESCAPED pid {os.getpid()}: {where}\n")
 class _Trap(io.TextIOWrapper):
     # (a handle whose methods write a file in a preview: the preview looks for the files to
     # copy before it is isolated, and must run none of them then)
     def fileno(self):
         if os.getpid() != _kernel_pid:
-            open("@WORK@/trap.log", "a").write("ESCAPED\n")
+            _sprung()
         return 1
     @property
     def __class__(self):
         if os.getpid() != _kernel_pid:
-            open("@WORK@/trap.log", "a").write("ESCAPED\n")
+            _sprung()
         return io.FileIO
 trap = _Trap(io.BytesIO()); traps = [trap]; trapd = {"t": trap}
 import fcntl
@@ -913,11 +918,10 @@ def test_no_escape(world, name, cell):
         assert EXPECT[name] in " ".join(reply["stopped"]) + text_of(reply), reply
     time.sleep(0.3)  # (anything that got out has time to land)
     after = observe(world)
-    assert after == before, json.dumps(
-        {key: (before[key], after[key]) for key in before if before[key] != after[key]},
-        indent=1,
-        default=str,
-    )
+    diff = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    if diff and (world.work / "trap.log").exists():  # who sprang the trap, from where
+        diff["trap.log"] = (world.work / "trap.log").read_text()[-6000:]
+    assert after == before, json.dumps(diff, indent=1, default=str)
     # Nothing reached iopub but the previews' own busy/idle; the kernel answers as before.
     assert k.value("canary") == "'alive'"
     foreign = [m for m in k.iopub[seen:] if m["msg_type"] != "status"]
