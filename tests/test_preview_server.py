@@ -42,8 +42,15 @@ def preview_timeout():
 
 
 @pytest.fixture
-def jp_server_config(store_path, fallback, fallback_settings, preview_timeout):
+def busy_wait():
+    return None  # the default
+
+
+@pytest.fixture
+def jp_server_config(store_path, fallback, fallback_settings, preview_timeout, busy_wait):
     settings = {"timeout": preview_timeout}
+    if busy_wait is not None:
+        settings["busy_wait"] = busy_wait
     if fallback:
         settings["fallback"] = fallback
     backends = {"preview": settings, **fallback_settings}
@@ -180,6 +187,37 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
     assert not any(p.info["cmdline"] == ["sleep", "301"] for p in psutil.process_iter(["cmdline"]))
+
+
+@pytest.mark.parametrize("preview_timeout", [50.0])
+@pytest.mark.parametrize("busy_wait", [0.0])
+async def test_a_superseded_preview_is_waited_for_however_long_it_takes_to_end(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    """The request that supersedes its client's running preview waits until that preview,
+    cancelled, has ended and its kernel is idle (moments, or seconds on a loaded machine: here
+    busy_wait gives a busy kernel no time at all), instead of answering "kernel busy"."""
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
+    try:
+        first, pid = await long_preview_running(
+            jp_fetch, jp_serverapp, kernel_id, client_id="browser-1"
+        )
+        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-1")
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "1\n", events
+        with pytest.raises(HTTPClientError) as superseded:
+            await first
+        assert superseded.value.code == 409
+        await wait_for(lambda: not preview_processes(pid), timeout=30)
+        # Another client's preview is not superseded by it: refused at once, as before.
+        other, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
+        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert reasons and reasons[0].startswith("kernel busy"), events
+        await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="")
+        await other
+        await wait_for(lambda: not preview_processes(pid), timeout=30)
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
 
 async def test_a_cell_that_waits_for_input_says_so(jp_fetch, jp_serverapp, jp_root_dir, store_path):
