@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import nbformat
@@ -82,7 +83,9 @@ async def predict(jp_fetch, kernel_id, source, **extra):
 
 
 #: a long cell whose preview starts a process of its own: a cancelled preview leaves neither
-LONG = "import subprocess, time\np = subprocess.Popen(['sleep', '301'])\ntime.sleep(300)"
+#: (this test run's own sleeper: another run of these tests on the machine has its own)
+SLEEPER = ["sleep", f"301.{os.getpid()}"]
+LONG = f"import subprocess, time\np = subprocess.Popen({SLEEPER!r})\ntime.sleep(300)"
 
 
 def preview_processes(kernel_pid: int) -> list[psutil.Process]:
@@ -91,7 +94,7 @@ def preview_processes(kernel_pid: int) -> list[psutil.Process]:
         found = psutil.Process(kernel_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         found = []
-    found += [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
+    found += [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == SLEEPER]
     alive = []
     for p in found:
         try:
@@ -115,7 +118,7 @@ async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeou
         )
     )
     await wait_for(
-        lambda: any(p.info["cmdline"] == ["sleep", "301"] for p in psutil.process_iter(["cmdline"]))
+        lambda: any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
     )
     return task, pid
 
@@ -186,7 +189,7 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         assert reply["user_expressions"]["v"]["data"]["text/plain"] == "False"
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
-    assert not any(p.info["cmdline"] == ["sleep", "301"] for p in psutil.process_iter(["cmdline"]))
+    assert not any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
 
 
 @pytest.mark.parametrize("preview_timeout", [50.0])
