@@ -155,9 +155,12 @@ class World:
         }
         self.sock_port = int(self.kernel.value("sock.getsockname()[1]"))
         self.clock = time.time() - time.monotonic()
-        # The recorder's snapshot of the setup cell (taken at the first silent request above,
-        # in a child of the kernel on a loaded machine) is over before anything is observed.
-        running = "__import__('jupyter_themisto.kernel').kernel.get_recorder().snapshots.running()"
+        # The recorder's snapshot of the setup cell (taken in a child of the kernel, which runs
+        # the trap's `__class__` as `isinstance` does) is over before anything is observed:
+        # settle() takes a snapshot still due and waits for the writer, then for the child.
+        recorder = "__import__('jupyter_themisto.kernel').kernel.get_recorder()"
+        self.kernel.value(f"{recorder}.settle(60)")
+        running = f"{recorder}.snapshots.running()"
         deadline = time.monotonic() + 120
         while self.kernel.value(running) != "0":
             assert time.monotonic() < deadline, "the setup cell's snapshot never finished"
