@@ -130,6 +130,30 @@ async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeou
     return task, pid
 
 
+async def superseded_by_its_client(jp_fetch, jp_serverapp, kernel_id) -> int:
+    """A long preview of client browser-1 superseded by its next request (409), which answers
+    `print(x)` with x = 1: the kernel's pid."""
+    first, pid = await long_preview_running(
+        jp_fetch, jp_serverapp, kernel_id, client_id="browser-1"
+    )
+    events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-1")
+    assert "".join(d["text"] for n, d in events if n == "chunk") == "1\n", events
+    with pytest.raises(HTTPClientError) as superseded:
+        await first
+    assert superseded.value.code == 409
+    return pid
+
+
+async def refused_for_another_client(jp_fetch, jp_serverapp, kernel_id):
+    """A long preview running while another client asks: that one is refused at once ("kernel
+    busy"), not queued behind: (the running preview's task, kernel pid)."""
+    task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
+    events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
+    reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+    assert reasons and reasons[0].startswith("kernel busy"), events
+    return task, pid
+
+
 @pytest.mark.parametrize("preview_timeout", [50.0])
 async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
     jp_fetch, jp_serverapp, jp_root_dir, store_path
@@ -159,23 +183,13 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         assert backend.cancelled == 1
 
         # The same client asks for another prediction on that kernel: the first is superseded.
-        first, pid = await long_preview_running(
-            jp_fetch, jp_serverapp, kernel_id, client_id="browser-1"
-        )
-        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-1")
-        assert "".join(d["text"] for n, d in events if n == "chunk") == "1\n", events
-        with pytest.raises(HTTPClientError) as superseded:
-            await first
-        assert superseded.value.code == 409
+        pid = await superseded_by_its_client(jp_fetch, jp_serverapp, kernel_id)
         assert backend.cancelled == 2
         # (the second preview's own processes end just after its reply)
         await wait_for(lambda: not preview_processes(pid), timeout=20)
 
         # Another client's preview on that kernel meanwhile: not queued behind, said so.
-        task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
-        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
-        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
-        assert reasons and reasons[0].startswith("kernel busy"), events
+        task, pid = await refused_for_another_client(jp_fetch, jp_serverapp, kernel_id)
 
         # An interrupt of the kernel ends the preview: said so, nothing left running.
         await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="")
@@ -209,20 +223,10 @@ async def test_a_superseded_preview_is_waited_for_however_long_it_takes_to_end(
     busy_wait gives a busy kernel no time at all), instead of answering "kernel busy"."""
     kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
     try:
-        first, pid = await long_preview_running(
-            jp_fetch, jp_serverapp, kernel_id, client_id="browser-1"
-        )
-        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-1")
-        assert "".join(d["text"] for n, d in events if n == "chunk") == "1\n", events
-        with pytest.raises(HTTPClientError) as superseded:
-            await first
-        assert superseded.value.code == 409
+        pid = await superseded_by_its_client(jp_fetch, jp_serverapp, kernel_id)
         await wait_for(lambda: not preview_processes(pid), timeout=30)
         # Another client's preview is not superseded by it: refused at once, as before.
-        other, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
-        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
-        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
-        assert reasons and reasons[0].startswith("kernel busy"), events
+        other, pid = await refused_for_another_client(jp_fetch, jp_serverapp, kernel_id)
         await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="")
         await other
         await wait_for(lambda: not preview_processes(pid), timeout=30)
