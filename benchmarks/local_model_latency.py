@@ -10,11 +10,12 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
    - *warmed*: the backend evaluated the prompt when the execution was recorded (`warm`);
    - *cold*: nothing of the prompt is cached (a first line unique to the request);
    first chunk and whole suggestion (n=1, greedy), and how many answers reached the limit.
-   Also: load time and generation speed. `--compare` runs the same cases first with the
-   defaults (each prompt cut to its budget anew), then with `stable_prompt_start`, in one
-   process on one loaded model, and prints the ratios; `--cold-tokens N` adds a run with
-   `cold_prompt_tokens` N too; `--long N` adds N long corpus
-   notebooks (over the prompt budget), whose prompts the cut once moved with every cell.
+   Also: load time and generation speed. The cases run with the defaults (each prompt cut to
+   its budget anew); `--compare` runs them again with `stable_prompt_start` (`--cold-tokens
+   N`: and again with `cold_prompt_tokens` N too), `--reuse N` with `cache_reuse_tokens` N,
+   in one process on one loaded model, with the ratios to the defaults; `--long N` adds N
+   long corpus notebooks (over the prompt budget), whose prompts the cut moves with every
+   cell. Cold requests never reuse runs of tokens (a notebook new to the engine has none).
 2. Through a real `jupyter server` with the extension and no backend configured (the default
    is the local model): the server's RSS, the first request against the later ones over HTTP.
 
@@ -121,15 +122,24 @@ def ms(values: list[float]) -> str:
 
 
 async def in_process(
-    notebooks: list[Path], n_cells: int, long: list[Path], compare: bool, cold_tokens: int
+    notebooks: list[Path],
+    n_cells: int,
+    long: list[Path],
+    compare: bool,
+    cold_tokens: int,
+    reuse: int,
 ) -> None:
-    # before: the defaults (each prompt cut to its budget anew); stable: stable_prompt_start
-    variants = [("before", LlamaCppPredictor({}))] if compare else []
-    variants.append(("stable", LlamaCppPredictor({"stable_prompt_start": True})))
-    backend = variants[-1][1]
-    if cold_tokens:
-        cold = {"stable_prompt_start": True, "cold_prompt_tokens": cold_tokens}
-        variants.append(("cold", LlamaCppPredictor(cold)))
+    # before: the defaults (each prompt cut to its budget anew); stable: stable_prompt_start;
+    # cold: cold_prompt_tokens too; reuse: cache_reuse_tokens
+    variants = [("before", LlamaCppPredictor({}))]
+    if compare:
+        variants.append(("stable", LlamaCppPredictor({"stable_prompt_start": True})))
+        if cold_tokens:
+            cold = {"stable_prompt_start": True, "cold_prompt_tokens": cold_tokens}
+            variants.append(("cold", LlamaCppPredictor(cold)))
+    if reuse:
+        variants.append(("reuse", LlamaCppPredictor({"cache_reuse_tokens": reuse})))
+    backend = variants[0][1]
     start = time.perf_counter()
     model = await asyncio.to_thread(backend.shared)
     slots = backend.settings.parallel
@@ -139,9 +149,11 @@ async def in_process(
     for label, variant in variants:
         variant.env = BackendEnv(log=logging.getLogger("bench"))
         s = variant.settings
-        print(f"-- {label}: {s.stable_prompt_start=} {s.cold_prompt_tokens=}")
+        print(
+            f"-- {label}: {s.stable_prompt_start=} {s.cold_prompt_tokens=} {s.cache_reuse_tokens=}"
+        )
         results[label] = await cases(variant, notebooks, n_cells, long)
-    for label in [v for v, _ in variants[1:]] if compare else []:
+    for label in [v for v, _ in variants[1:]]:
         print(f"-- {label} / before (same process, same model, same cases)")
         for case in results[label]:
             a, b = results["before"][case], results[label][case]
@@ -159,6 +171,11 @@ async def cases(
     backend: LlamaCppPredictor, notebooks: list[Path], n_cells: int, long: list[Path]
 ) -> dict[str, list[float]]:
     limit = backend.settings.suggestion_timeout
+    # Cold requests reuse nothing: their prompts differ from the session's only in the first
+    # line, which cache_reuse_tokens would skip (a notebook seen for the first time has no
+    # runs of tokens in the engine to reuse).
+    settings = backend.settings.model_dump(exclude_unset=True)
+    cold_backend = LlamaCppPredictor({**settings, "cache_reuse_tokens": 0}, backend.env)
     session_first, session_total, warm_first, cold_first, cold_total = [], [], [], [], []
     for path in notebooks:
         cells = notebook_cells(path, n_cells)
@@ -171,7 +188,7 @@ async def cases(
             session_first.append(first)
             session_total.append(total)
             # Cold: a first line no earlier prompt had.
-            first, total, _ = await timed(backend, context(cells[:k], f"# {uuid.uuid4()}"))
+            first, total, _ = await timed(cold_backend, context(cells[:k], f"# {uuid.uuid4()}"))
             cold_first.append(first)
             cold_total.append(total)
         # Again, each prompt evaluated ahead (as when the execution is recorded), then asked.
@@ -290,12 +307,22 @@ def main() -> None:
     p.add_argument(
         "--cold-tokens", type=int, default=0, metavar="N", help="also with cold_prompt_tokens N"
     )
+    p.add_argument(
+        "--reuse", type=int, default=0, metavar="N", help="also with cache_reuse_tokens N"
+    )
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print("== in process")
     long = long_notebooks(args.long, 40) if args.long else []
     asyncio.run(
-        in_process(NOTEBOOKS[: args.notebooks], args.cells, long, args.compare, args.cold_tokens)
+        in_process(
+            NOTEBOOKS[: args.notebooks],
+            args.cells,
+            long,
+            args.compare,
+            args.cold_tokens,
+            args.reuse,
+        )
     )
     if args.no_server:
         return

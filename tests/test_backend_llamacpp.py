@@ -278,6 +278,47 @@ async def test_a_long_notebooks_next_prompt_is_served_by_the_cache(model_file, c
     assert cached >= total - 40, (total, cached)
 
 
+def marked_notebook(n: int, mark: str) -> PredictionContext:
+    """A long notebook whose every cell carries `mark` (no other test's prompt shares a run of
+    its tokens, however it is cut)."""
+    cells = [
+        ContextCell(
+            source=f"part_{i} = frame.loc[frame['group'] == {i}, ['a', 'b']].mean()  # {mark}",
+            execution_count=i,
+            order_index=i,
+        )
+        for i in range(1, n)
+    ]
+    return PredictionContext(cells=cells, with_runtime=False)
+
+
+async def test_cache_reuse_serves_a_prompt_cut_anew(model_file):
+    # Over the budget, each prompt is cut anew: its beginning moves with every cell. Off, the
+    # engine evaluates it whole again; with cache_reuse_tokens, it shifts the runs of tokens it
+    # evaluated for the previous prompt into place and evaluates only the new cell.
+    for reuse in (0, 16):
+        backend = llama(
+            max_tokens=4,
+            parallel=1,
+            max_prompt_tokens=200,
+            prompt_cells=0,
+            cache_reuse_tokens=reuse,
+        )
+        mark = secrets.token_hex(6)
+        model = backend.shared()
+        before, after = (
+            backend.request(Completion.of(backend.next_cell_prompt(ctx, model), 1))["prompt"]
+            for ctx in (marked_notebook(40, mark), marked_notebook(41, mark))
+        )
+        assert before[:40] != after[:40] and before[-100:] in after  # the cut moved
+        cached_share(backend, marked_notebook(40, mark))
+        total, cached = cached_share(backend, marked_notebook(41, mark))
+        if reuse:
+            assert cached >= total - 60, (total, cached)
+        else:
+            assert cached < total // 2, (total, cached)
+
+
 async def test_a_cold_prompt_is_answered_short_and_evaluated_whole_after(model_file, caplog):
     backend = llama(max_tokens=8, parallel=1, cold_prompt_tokens=60, prompt_cells=0)
     model = backend.shared()
@@ -382,6 +423,19 @@ async def test_comment_only_and_repeated_cells_are_dropped_unseen():
     # Neither the comments nor the previous cell ever reached the stream: the third answer did.
     assert "".join(t for _, t, _ in chunks) == "df.describe()\n"
     assert all(i == 0 for i, _, _ in chunks) and chunks[-1][2]
+
+
+async def test_a_stand_in_for_a_dropped_answer_streams():
+    # The greedy answer was the previous cell again: the sample standing in for it is shown as
+    # it comes, not once it is complete (its first line is on screen before the rest exists).
+    ctx = session()
+    sample = "df.describe()\ndf['a'].sum()\n"
+    backend = ScriptedEngine([ctx.cells[-1].source + "\n", sample])
+    chunks = await stream(backend, ctx)
+    assert "".join(t for _, t, _ in chunks) == sample
+    streamed = [t for _, t, done in chunks if t and not done]
+    assert streamed and streamed[0].startswith("df.")
+    assert len(streamed[0]) < len(sample)
 
 
 async def test_only_degenerate_answers_give_no_prediction():

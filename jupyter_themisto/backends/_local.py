@@ -415,9 +415,10 @@ class LocalModelPredictor(Predictor):
         A suggestion that is not worth showing (only comments or blank lines, the cell just
         run again, nothing) is dropped without ever being shown: the greedy answer is held back
         while it may still turn out so, and samples stand in for it, two at most, all within
-        `suggestion_timeout`. For more than one suggestion, sampled answers (one per further
-        place, each with its own time) and cells retrieved from the recorded history (the
-        `retrieval` backend, settings under `retrieval`) join it and are ranked together
+        `suggestion_timeout`, each streamed as soon as it cannot turn out so either. For more
+        than one suggestion, sampled answers (one per further place, each with its own time)
+        and cells retrieved from the recorded history (the `retrieval` backend, settings
+        under `retrieval`) join it and are ranked together
         (`ranking.rank`: deduplicated, degenerate ones dropped, scored by consensus); index 0
         keeps its place (it is on screen already) and gets its score. A machine too busy to
         answer within the time gets no further attempts.
@@ -474,7 +475,8 @@ class LocalModelPredictor(Predictor):
             text, sent = "", 0
             async for piece in self._complete(job, status):
                 text += piece
-                if attempt == 0 and not hold_back(text, previous):
+                # A stand-in streams as the greedy answer would: on screen is what came first.
+                if not hold_back(text, previous):
                     yield NextCellChunk(index=0, text=text[sent:])
                     sent = len(text)
             why = degenerate_reason(text, previous)

@@ -122,6 +122,14 @@ class LlamaCppSettings(LocalModelSettings):
         " evaluated after the answer, for the next one (0, the default: always the whole"
         " prompt; see README for what it cost in chrF)",
     )
+    cache_reuse_tokens: int = Field(
+        0,
+        ge=0,
+        description="with a prompt whose beginning changed (a long notebook's prompt cut anew,"
+        " the window of cells moved), the engine reuses runs of at least this many tokens it"
+        " evaluated before, shifted into place (llama.cpp's `n_cache_reuse`), instead of"
+        " evaluating them again (0: off; see README)",
+    )
     cache_ram_mb: int = Field(
         256, description="MB of earlier prompts' states kept in RAM for later requests"
     )
@@ -295,6 +303,9 @@ class LlamaCppPredictor(LocalModelPredictor):
             body.update(top_p=0.95, top_k=40)
         if job.time_limit > 0:
             body["t_max_predict_ms"] = int(job.time_limit * 1000)
+        if self.settings.cache_reuse_tokens:
+            # Asked per request (the loaded model is shared by instances with other settings).
+            body["n_cache_reuse"] = self.settings.cache_reuse_tokens
         return body
 
     def run(
