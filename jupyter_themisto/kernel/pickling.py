@@ -26,6 +26,7 @@ import threading
 import types
 from typing import Any
 
+from ..references import inspectable, library_class, library_reference
 from .variables import estimated_size
 
 
@@ -80,9 +81,10 @@ def refusal(obj: Any, *, top_level: bool = True) -> str | None:
     if module.startswith("matplotlib") and "matplotlib" in sys.modules:
         try:
             from matplotlib.artist import Artist
+            from matplotlib.container import Container
             from matplotlib.figure import FigureBase
 
-            if isinstance(obj, (Artist, FigureBase)):
+            if isinstance(obj, (Artist, FigureBase, Container)):
                 return "matplotlib object (summarized: its pickle differs every time)"
         except Exception:
             pass
@@ -205,6 +207,8 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     seen[0] += 1
     if seen[0] > _SMALL_LEN or depth > 4:
         return False
+    if not inspectable(value):
+        return False  # even an isinstance() could run a metaclass's or class's code of theirs
     t = type(value)
     if value is None or t in (bool, int, float, complex):
         return True
@@ -221,10 +225,17 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
         return all(small_value(v, seen, depth + 1) for v in value)
     if refusal(value):
         return True  # a stub: its type and a short repr
+    if library_reference(value) is not None:
+        return True  # a reference to a library's function or class (references.py)
     module = t.__module__ or ""
     if module.startswith("numpy"):
         size = estimated_size(value)
         dtype = getattr(value, "dtype", None)
+        if t.__name__ == "ndarray" and getattr(dtype, "hasobject", False):
+            # An array of objects (plt.subplots' axes): small if each item is.
+            return value.size + seen[0] <= _SMALL_LEN and all(
+                small_value(v, seen, depth + 1) for v in value.flat
+            )
         return size is not None and size <= _SMALL_BYTES and not getattr(dtype, "hasobject", True)
     if depth > 0:
         return False
@@ -239,11 +250,14 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     if t is type:
         return _plain_class(value)
     # An instance of a class of the person's own, holding small values, pickled and shown the
-    # plain way.
+    # plain way; or of a library's plain class (`from __future__ import division` binds one),
+    # whose own __repr__ is the library's code.
     attrs = getattr(value, "__dict__", None)
     return (
-        module == "__main__"
-        and _plain_class(t)
+        (
+            (module == "__main__" and _plain_class(t))
+            or (library_class(t) and _plain_class(t, library_repr=True))
+        )
         and isinstance(attrs, dict)
         and all(small_value(v, seen, depth + 1) for v in attrs.values())
     )
@@ -263,19 +277,20 @@ def _plain_values(values: Any, pd: Any) -> bool:
     return kind in _PLAIN_KINDS
 
 
-def _plain_class(t: type) -> bool:
-    """A class whose instances pickle, show and look attributes up as `object` does."""
+def _plain_class(t: type, *, library_repr: bool = False) -> bool:
+    """A class whose instances pickle, show and look attributes up as `object` does (shown by
+    a __repr__ of its own if `library_repr`: a library class's)."""
     return (
-        t.__reduce_ex__ is object.__reduce_ex__
+        type(t) is type  # no metaclass (its attribute lookup could run anything): first
+        and t.__reduce_ex__ is object.__reduce_ex__
         and t.__reduce__ is object.__reduce__
         and getattr(t, "__getstate__", None) is getattr(object, "__getstate__", None)
-        and t.__repr__ is object.__repr__
+        and (library_repr or t.__repr__ is object.__repr__)
         and t.__getattribute__ is object.__getattribute__
         and not any(
             hasattr(t, name)
             for name in ("__getattr__", "__getnewargs_ex__", "__getnewargs__", "__setstate__")
         )
-        and type(t) is type  # no metaclass of theirs
     )
 
 

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from ..references import inspectable
 from .pickling import small_value
 from .snapshot_writer import snapshot_status
 from .variables import remembered
@@ -41,8 +42,8 @@ class SmallSnapshots:
         r = m.recorder
         budget = r.small_snapshot_seconds
         started = time.perf_counter()
-        # Called with no child running (the earlier snapshots' rows, which an unchanged variable
-        # reuses, are written); the execution's row must be written too (the writer idle).
+        # The earlier snapshot's rows, which an unchanged variable reuses, must be written (one
+        # a child still writes: give up), and the execution's row too (the writer idle).
         if r.writer is None:
             return False
         r.writer.wait_idle(budget)
@@ -69,7 +70,7 @@ class SmallSnapshots:
             return False
         reuse = {n for n in same if n in previous}
         if not all(
-            small_value(v) or remembered(v, previous.get(n), recheck)
+            small_value(v) or (inspectable(v) and remembered(v, previous.get(n), recheck))
             for n, v in variables
             if n not in reuse
         ):

@@ -161,7 +161,9 @@ class SnapshotManager:
         current = {name: id(value) for name, value in variables}
         generation = self._secrets_generation()
         inline = r.snapshot_mode == "inline" or self.exiting or not hasattr(os, "fork")
-        try_small = not inline and r.small_snapshot_seconds > 0 and not self.children
+        # (With a child still running too: a base snapshot it has not written yet makes the
+        # small one give up, see SmallSnapshots.take.)
+        try_small = not inline and r.small_snapshot_seconds > 0
         # Names bound to the same objects as at the last snapshot, no cell run since able to
         # change an object in place: those variables are as the last snapshot holds them.
         same: set[str] = set()

@@ -6,6 +6,9 @@ Per variable, in this order:
    a value, serialized bytes or summary holding a value known secret (jupyter_themisto.
    redaction.KernelSecrets: `x = api_key`, a list or DataFrame holding it)
    -> stub with the type only (no value, repr, fingerprint);
+1b. a function or class of an installed library, identical to its module's attribute
+   (references.library_reference: `from sympy import *`) -> its reference in the summary
+   (module:qualname, version, check), no blob;
 2. objects that must not or cannot be pickled (pickling.refusal) -> stub (type, short repr,
    reason);
 3. a cheap fingerprint (variables.fingerprint) equal to the previous snapshot's -> the previous
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_variable
+from ..references import library_reference
 from .pickling import Refused, TooLarge, TooSlow, refusal, serialize, time_limit
 from .variables import (
     SMALL_CONTAINER,
@@ -55,9 +59,12 @@ def _secret_key_in(value: Any, pattern: str | None) -> str | None:
 
 
 def snapshot_status(records: list[dict[str, Any]]) -> str:
-    """`ok` when every variable has its value stored (or was redacted), else `partial`."""
+    """`ok` when every variable has its value stored (a blob or a library reference) or was
+    redacted, else `partial`."""
     complete = all(
-        r.get("blob_hash") or str(r.get("stub_reason") or "").startswith("redacted")
+        r.get("blob_hash")
+        or (r.get("summary") or {}).get("ref")
+        or str(r.get("stub_reason") or "").startswith("redacted")
         for r in records
     )
     return "ok" if complete else "partial"
@@ -136,6 +143,11 @@ class SnapshotWriter:
                 stub_reason=f"redacted: holds the secret-named key {secret_key!r}",
             )
             rec["changed"] = prev is None or prev.get("stub_reason") != rec["stub_reason"]
+            return rec
+        ref = library_reference(value)
+        if ref is not None:
+            rec["summary"] = ref
+            rec["changed"] = prev is None or prev.get("summary") != ref
             return rec
         if self._holds_secret(rec, value=value):
             return rec
