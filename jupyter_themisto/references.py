@@ -13,8 +13,8 @@ C-level attributes of a few exact types are read; a class's `__module__` and `__
 through `type`'s own descriptors, never the class's or its metaclass's attribute lookup):
 
 - a function (its code in a file of the installed library), a builtin function, a NumPy ufunc
-  or array function, a Cython function, an `lru_cache` wrapper of a library function, or a
-  class;
+  or array function, a Cython function, an `lru_cache` wrapper of a library function, a
+  class, or one of `typing`'s aliases (`Iterator`, `Tuple`);
 - whose module is an installed library (a file under the interpreter's standard library or
   site-packages: not the notebook's folder, not an editable checkout) or a builtin module;
 - which is *identical* to the attribute its module and qualified name name now (read from the
@@ -154,6 +154,8 @@ _MISSING = object()
 def _library_code(func: Any) -> bool:
     """A function whose code was read from a file of an installed library."""
     path = func.__code__.co_filename if type(func) is types.FunctionType else None
+    if isinstance(path, str) and path.startswith("<frozen "):
+        return True  # a standard library module frozen into the interpreter (abc, os...)
     return isinstance(path, str) and _file_kind(path) is not None
 
 
@@ -201,6 +203,12 @@ def _describe(value: Any) -> tuple[str, str, str, Any] | None:
         return value.__module__, value.__qualname__, t_name, inner
     if t_name == _CYTHON_FUNCTION:
         return value.__module__, value.__qualname__, "cython", None
+    if t_module == "typing" and library_class(t):
+        # typing's aliases (`from typing import Iterator, Tuple`): named in their own __dict__
+        # (read past typing's __getattr__, which forwards to the aliased class).
+        own = object.__getattribute__(value, "__dict__")
+        name = own.get("_name") if isinstance(own, dict) else None
+        return ("typing", name, "typing", None) if isinstance(name, str) else None
     return None
 
 
