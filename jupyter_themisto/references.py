@@ -271,22 +271,45 @@ def _reference(value: Any) -> tuple[Any, str, dict[str, str]] | None:
 
 
 def library_class(t: type) -> bool:
-    """A class of an installed library (a reference would stand for it), as are all its bases:
-    its instances' methods run the library's code, not the person's."""
+    """A class defined by an installed library, as are all its bases (C types count): its
+    instances' methods run the library's code, not the person's. Its module is an installed
+    library's and the code of each function in its namespace was read from a library's file
+    (a class made inside a library function qualifies too). Positive answers are cached."""
+    cached = _LIBRARY_CLASSES.get(id(t))
+    if cached is t:
+        return True
     try:
         mro = _type_dict(type).get("__mro__").__get__(t)
+        ok = all(not _type_flags(base) & _HEAPTYPE or _library_defined(base) for base in mro)
     except Exception:
         return False
+    if ok:
+        if len(_LIBRARY_CLASSES) >= _CACHE_MAX:
+            _LIBRARY_CLASSES.clear()
+        _LIBRARY_CLASSES[id(t)] = t
+    return ok
+
+
+def _library_defined(cls: type) -> bool:
+    module = sys.modules.get(_type_module(cls))
+    if module is None or _module_kind(module) is None:
+        return False
     return all(
-        not _type_flags(base) & _HEAPTYPE or library_reference(base) is not None for base in mro
+        _library_code(member)
+        for member in _type_dict(cls).values()
+        if type(member) is types.FunctionType
     )
+
+
+_LIBRARY_CLASSES: dict[int, type] = {}
 
 
 # What a class of the person's may define and still be looked at (type, size, attributes)
 # without running its code.
 _INERT_DUNDERS = frozenset(
     """__module__ __qualname__ __doc__ __dict__ __weakref__ __init__ __annotations__
-    __firstlineno__ __static_attributes__ __slots__ __orig_bases__ __parameters__""".split()
+    __firstlineno__ __static_attributes__ __slots__ __orig_bases__ __parameters__
+    __slotnames__ __match_args__ __dataclass_fields__ __dataclass_params__""".split()
 )
 
 

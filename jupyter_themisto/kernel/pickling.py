@@ -42,6 +42,11 @@ class TooSlow(Exception):
     pass
 
 
+class NotInKernel(Exception):
+    """The kernel must not take this snapshot itself (a child will): something in the value
+    is of a class of the person's, or it is too large or too slow for the kernel's budget."""
+
+
 def _refused_types() -> tuple[tuple[type, str], ...]:
     found: list[tuple[type, str]] = [
         (io.IOBase, "file object (never serialized: pickling one flushes it)"),
@@ -134,20 +139,50 @@ class _BoundedSink:
         return b"".join(self.parts)
 
 
-def serialize(value: Any, *, max_bytes: int) -> tuple[bytes, str]:
+class _KernelPickler(_GuardedPickler):
+    """What the kernel pickles itself (strict): only builtin and library objects, and plain
+    instances of the person's classes (object's own reduction): no code of theirs runs."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        result = super().reducer_override(obj)
+        if not kernel_may_pickle(obj):
+            raise NotInKernel(type(obj).__qualname__)
+        return result
+
+
+_CYTHON_TYPES = frozenset({"cython_function_or_method", "fused_cython_function"})
+
+
+def kernel_may_pickle(obj: Any) -> bool:
+    """An object the kernel may pickle itself: of a builtin or C type, a library's class, or a
+    plain class of the person's (see small_value)."""
+    t = type(obj)
+    if not t.__flags__ & (1 << 9) or t.__name__ in _CYTHON_TYPES:
+        return True  # not a heap type, or Cython's own (pandas' functions): C code
+    return inspectable(obj) and (
+        library_class(t) or (t.__module__ == "__main__" and _plain_class(t))
+    )
+
+
+def serialize(value: Any, *, max_bytes: int, strict: bool = False) -> tuple[bytes, str]:
     """Bytes of `value` and the codec used ('pickle' or 'dill').
 
     Raises Refused, TooLarge, TooSlow, or the serializer's own error when both refuse.
+    `strict` (the kernel's own snapshot): NotInKernel for anything of the person's that is not
+    plain, and never dill.
     """
     sink = _BoundedSink(max_bytes)
     try:
-        _GuardedPickler(sink, protocol=5).dump(value)
+        (_KernelPickler if strict else _GuardedPickler)(sink, protocol=5).dump(value)
         return sink.getvalue(), "pickle"
-    except (Refused, TooLarge, TooSlow):
+    except NotInKernel:
         raise
-    except RecursionError:
-        raise
-    except Exception as first:
+    except Exception as e:
+        if strict and not isinstance(e, (Refused, TooLarge, TooSlow, RecursionError)):
+            raise NotInKernel(f"{type(e).__name__}: {e}") from e
+        if isinstance(e, (Refused, TooLarge, TooSlow, RecursionError)):
+            raise
+        first = e
         try:
             dill_pickler = _dill_pickler()
         except ImportError:
@@ -207,11 +242,13 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     seen[0] += 1
     if seen[0] > _SMALL_LEN or depth > 4:
         return False
-    if not inspectable(value):
-        return False  # even an isinstance() could run a metaclass's or class's code of theirs
     t = type(value)
     if value is None or t in (bool, int, float, complex):
         return True
+    if library_reference(value) is not None:
+        return True  # a reference to a library's function or class (references.py)
+    if not inspectable(value):
+        return False  # even an isinstance() could run a metaclass's or class's code of theirs
     if t in (str, bytes, bytearray):
         return len(value) <= _SMALL_BYTES
     if t in (list, tuple, set, frozenset, dict):
@@ -225,8 +262,6 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
         return all(small_value(v, seen, depth + 1) for v in value)
     if refusal(value):
         return True  # a stub: its type and a short repr
-    if library_reference(value) is not None:
-        return True  # a reference to a library's function or class (references.py)
     module = t.__module__ or ""
     if module.startswith("numpy"):
         size = estimated_size(value)

@@ -13,8 +13,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..references import inspectable
-from .pickling import small_value
+from ..references import inspectable, library_class
+from .pickling import NotInKernel, TooSlow, small_value, time_limit
 from .snapshot_writer import snapshot_status
 from .variables import remembered
 
@@ -70,7 +70,11 @@ class SmallSnapshots:
             return False
         reuse = {n for n in same if n in previous}
         if not all(
-            small_value(v) or (inspectable(v) and remembered(v, previous.get(n), recheck))
+            small_value(v)
+            or (
+                inspectable(v)
+                and (remembered(v, previous.get(n), recheck) or library_class(type(v)))
+            )
             for n, v in variables
             if n not in reuse
         ):
@@ -84,16 +88,26 @@ class SmallSnapshots:
             blobs[digest] = bytes(data)
             return digest
 
-        writer = m.snapshot_writer(store, put_blob=collect)
+        # Instances of a library's classes (a sympy matrix, a fitted estimator) are serialized
+        # strictly: anything of the person's in them (but plain instances), more than 4 MB, or
+        # past the budget (SIGALRM) leaves them to a child.
+        writer = m.snapshot_writer(store, put_blob=collect, strict=True)
         records = []
-        for name, value in variables:
-            if name in reuse:
-                records.append({**previous[name], "changed": False})
-            else:
-                records.append(writer.record(name, value, previous.get(name)))
-            if time.perf_counter() - started > budget:
-                m.count("small_over_budget")
-                return False
+        try:
+            with time_limit(max(budget - (time.perf_counter() - started), 1e-4)):
+                for name, value in variables:
+                    if name in reuse:
+                        records.append({**previous[name], "changed": False})
+                    else:
+                        records.append(writer.record(name, value, previous.get(name)))
+                    if time.perf_counter() - started > budget:
+                        raise TooSlow()
+        except TooSlow:
+            m.count("small_over_budget")
+            return False
+        except NotInKernel:
+            m.count("small_gave_way")
+            return False
         status = snapshot_status(records)
         duration = time.perf_counter() - started
 

@@ -275,7 +275,7 @@ class SnapshotManager:
         return True
 
     def snapshot_writer(
-        self, store: Any, put_blob: Callable[[bytes], str] | None = None
+        self, store: Any, put_blob: Callable[[bytes], str] | None = None, *, strict: bool = False
     ) -> SnapshotWriter:
         r = self.recorder
         return SnapshotWriter(
@@ -288,6 +288,7 @@ class SnapshotManager:
             secrets=getattr(r, "secrets", None),
             recheck=self._secrets_generation() != self.secrets_generation,
             put_blob=put_blob,
+            strict=strict,
         )
 
     def _write_status(
