@@ -237,6 +237,7 @@ class ThemistoRecorder(LoggingConfigurable):
         self._install_deferral()
         atexit.register(self._at_exit)
         self._registered = True
+        _warm_up()
         if self.enabled:
             self._ensure_trajectory()
 
@@ -615,6 +616,20 @@ def _large(raw_outputs: list[dict[str, Any]]) -> bool:
         if total > _DIRECT_OUTPUT_BYTES:
             return True
     return False
+
+
+def _warm_up() -> None:
+    """What the first snapshot needs, loaded as the kernel starts, not in a cell's time (about
+    20 ms: xxhash, the change analysis, where the installed libraries live)."""
+    try:
+        import xxhash  # noqa: F401
+
+        from ..references import library_reference
+        from . import changes  # noqa: F401
+
+        library_reference(len)
+    except Exception:
+        pass
 
 
 def notebook_path() -> str | None:

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..references import inspectable, library_class
+from ..references import inspectable, library_class, library_reference
 from .pickling import NotInKernel, TooSlow, small_value, time_limit
 from .snapshot_writer import snapshot_status
 from .variables import remembered
@@ -69,6 +69,14 @@ class SmallSnapshots:
         if execution_id is None:
             return False
         reuse = {n for n in same if n in previous}
+        # Library objects still bound to the same name as last time (`from sympy import *`: 900
+        # of them): their records again, without a look at each (references.py).
+        for name, value in variables:
+            prev = previous.get(name)
+            if name not in reuse and prev is not None and not recheck:
+                ref = (prev.get("summary") or {}).get("ref")
+                if ref is not None and prev["summary"] == library_reference(value):
+                    reuse.add(name)
         if not all(
             small_value(v)
             or (
