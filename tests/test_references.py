@@ -199,3 +199,74 @@ async def test_the_server_serves_a_reference_as_a_pickle_that_checks_it(jp_fetch
         jp_fetch("themisto", "executions", str(eid), "variables", "nothing", "blob")
     )
     assert code == 404
+
+
+def _snapshot_mode(k, msg_id):
+    row = k.wait_snapshot(msg_id)
+    with k.store() as store:
+        return store.get_snapshot(row["id"])["mode"]
+
+
+def test_the_kernel_snapshots_library_objects_itself_but_never_runs_the_persons_code(tmp_path):
+    """A library's object (a Fraction, an argparse Namespace of plain values) is snapshotted by
+    the kernel (no fork); one holding an object of the person's with a __reduce__, a class with
+    a metaclass of theirs that runs code when looked at, or an instance of a class with a
+    __getattribute__ of theirs goes to a child: their code never runs in the kernel."""
+    marker = tmp_path / "ran-in.txt"
+    k = RecordingKernel(
+        tmp_path / "lib.sqlite",
+        # A generous budget: a loaded machine must not send these to a child.
+        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=5"],
+    )
+    try:
+        kernel_pid = k.run("import os\nprint(os.getpid())").of("stream")[0]["text"].strip()
+        lib = k.run(
+            "import argparse, fractions\n"
+            "third = fractions.Fraction(1, 3)\n"
+            "opts = argparse.Namespace(rate=0.5, name='run', sizes=[1, 2])"
+        )
+        assert _snapshot_mode(k, lib.msg_id) == "inline"
+        v = k.variables(lib.msg_id)
+        assert v["third"]["blob_hash"] and v["opts"]["blob_hash"]
+        assert pickle.loads(_blob(k, v["opts"]["blob_hash"])) == argparse_namespace()
+        hostile = [
+            # A library object holding one of theirs, whose __reduce__ runs code.
+            "class _Loud:\n"
+            "    def __reduce__(self):\n"
+            f"        open({str(marker)!r}, 'a').write(f'{{os.getpid()}} reduce\\n')\n"
+            "        return (_Loud, ())\n"
+            "held = argparse.Namespace(inner=_Loud())",
+            # A class whose metaclass runs code on any attribute lookup.
+            "class _Meta(type):\n"
+            "    def __getattribute__(cls, name):\n"
+            f"        open({str(marker)!r}, 'a').write(f'{{os.getpid()}} meta {{name}}\\n')\n"
+            "        return type.__getattribute__(cls, name)\n"
+            "class Watched(metaclass=_Meta):\n"
+            "    pass\n"
+            "watched = Watched()",
+            # An instance whose class looks every attribute up through code of theirs.
+            "class Proxy:\n"
+            "    def __getattribute__(self, name):\n"
+            f"        open({str(marker)!r}, 'a').write(f'{{os.getpid()}} proxy {{name}}\\n')\n"
+            "        return object.__getattribute__(self, name)\n"
+            "proxy = Proxy()",
+        ]
+        for code in hostile:
+            marker.unlink(missing_ok=True)
+            done = k.run(code)
+            assert _snapshot_mode(k, done.msg_id) == "fork", code
+            ran_in = {line.split()[0] for line in marker.read_text().split("\n") if line}
+            assert kernel_pid not in ran_in, (code, marker.read_text())
+    finally:
+        k.shutdown()
+
+
+def argparse_namespace():
+    import argparse
+
+    return argparse.Namespace(rate=0.5, name="run", sizes=[1, 2])
+
+
+def _blob(k, digest):
+    with k.store() as store:
+        return store.get_blob(digest)
