@@ -89,6 +89,13 @@ class ThemistoRecorder(LoggingConfigurable):
         "(after a fork, 5-20 ms in the next cell of a kernel holding pandas or sklearn); larger "
         "ones, or one past this time, are forked (0: always fork).",
     ).tag(config=True)
+    prefault_after_snapshot = Bool(
+        True,
+        help="Linux: once the last snapshot child has exited, make the kernel's pages writable "
+        "again in a background thread (madvise MADV_POPULATE_WRITE on the pages present), so "
+        "that the next cells do not pay a copy-on-write fault per page they write (False: "
+        "they do).",
+    ).tag(config=True)
     max_snapshot_children = Int(
         3,
         help="Concurrent snapshot children; when reached, the snapshot of that execution is "

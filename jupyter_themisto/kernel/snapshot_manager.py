@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .prefault import prefault
 from .small_snapshot import SmallSnapshots
 from .snapshot_child import SnapshotChild, failure_reason, run_child, wait_child
 from .snapshot_writer import SnapshotWriter
@@ -332,6 +333,14 @@ class SnapshotManager:
                 self.children.pop(child.pid, None)
         if reason is not None:
             self._write_status(child.order_index, "failed", reason)
+        if not self.children and not self.exiting and self.recorder.prefault_after_snapshot:
+            # The last child gone: the pages it shared are the kernel's alone again; make them
+            # writable now, not by faults in the next cells (prefault.py).
+            try:
+                if prefault(lambda: bool(self.children) or self.exiting):
+                    self.count("prefaulted")
+            except Exception as e:
+                self.recorder._report("making pages writable after a snapshot failed", e)
 
     def reap(self) -> None:
         """Children are reaped by their watcher threads; this only gives gc back its
