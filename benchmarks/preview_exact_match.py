@@ -6,9 +6,10 @@ in the live kernel; the llamacpp model (SmolLM2), retrieval and the repeat-previ
 from the trajectory recorded so far); then the cell runs for real and the text outputs are
 compared as the notebook shows them (clear_output applied): exactly, and "masked" — after
 masking what two honest runs of the same cell never share: 0x… object addresses, /tmp paths and
-durations (`Wall time: 1.2 ms`, `%timeit`'s figures, `total time=0.1s`). Only cells with text
-output count; a missing prediction counts as a miss. Cells that write files or run `!` commands
-are counted on their own too (issue 12: they get previews, in a private copy of the files).
+durations (`Wall time: 1.2 ms`, `%timeit`'s figures, `total time=0.1s`, `0.087 seconds`). Only
+cells with text output count; a missing prediction counts as a miss. Cells that write files or
+run `!` commands are counted on their own too (issue 12: they get previews, in a private copy of
+the files).
 
 For the preview it also says why each miss missed: no answer because the preview's timeout
 stopped it (split by whether the real cell itself ran longer than the timeout, which no preview
@@ -53,7 +54,8 @@ BACKENDS = ("preview", "llamacpp", "retrieval", "repeat-previous")
 # What differs between two honest runs: object addresses, temporary paths, durations.
 VOLATILE = re.compile(
     r"0x[0-9a-fA-F]+|/tmp/[^\s'\"]+"
-    r"|\d[\d.,]*\s*(?:ns|us|µs|μs|ms|s|sec|min)\b(?: ± [\d.,]+\s*(?:ns|us|µs|μs|ms|s))?"
+    r"|\d[\d.,]*\s*(?:ns|us|µs|μs|ms|s|secs?|seconds?|min|minutes?)\b"
+    r"(?: ± [\d.,]+\s*(?:ns|us|µs|μs|ms|s))?"
     r"|\d[\d,]* loops? each|\d+ runs?,"
 )
 # A cell with a side effect on files or a shell command (counted on their own).

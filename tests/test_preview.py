@@ -362,6 +362,26 @@ def test_endless_loop_is_killed_and_kernel_goes_on(kernel):
     assert "n" not in kernel.value("sorted(k for k in globals() if k == 'n')")
 
 
+def test_the_cpu_bound_stops_the_preview_and_says_so(kernel):
+    # (the preview's first process is PID 1 of its namespace, which ignores the soft limit's
+    # SIGXCPU unless it has a handler: it was killed a second later, with its outputs, and said
+    # "crash the kernel (signal SIGKILL)")
+    loop = "print('started')\nn = 0\nwhile True:\n    n += 1"
+    reply = kernel.preview(loop, cpu_seconds=1, timeout=60.0)
+    assert reply["stopped"] == ["use more than the preview's 1 CPU second"], reply
+    assert reply["cpu_bound"] == 1 and text_of(reply) == "started\n"
+    # A cell that ignores SIGXCPU is killed at the hard limit: the kernel tells the bound from
+    # the CPU time the process used.
+    reply = kernel.preview(
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" + loop,
+        cpu_seconds=1,
+        timeout=60.0,
+    )
+    assert reply["stopped"] == ["use more than the preview's 1 CPU second"], reply
+    assert reply["cpu_bound"] == 1
+    assert kernel.value("'n' in globals()") == "False"
+
+
 def test_memory_beyond_the_limit_is_stopped(kernel):
     # Filled memory (b"x" * n touches every page; bytes(n) would stay lazily unmapped).
     reply = kernel.preview("chunks = [b'x' * 2**26 for _ in range(200)]", memory_mb=256)

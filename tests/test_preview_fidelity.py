@@ -2,9 +2,10 @@
 runs it for real in the same kernel state, and compares what the notebook would display (streams
 merged as the notebook merges them, clear_output applied, results and displays as text/plain,
 errors by name and message). The cases are what a forked child does differently from the kernel
-unless told: `random` reseeds itself, the input history and execution count move on, ipykernel
-publishes stdout and stderr in its own order, the inline backend shows figures after errors too,
-and a forking thread other than the kernel's would have its own context and event loop."""
+unless told: `random` reseeds itself, numpy's generator is seeded where first used, the input
+history and execution count move on, ipykernel publishes stdout and stderr in its own order, the
+inline backend shows figures after errors too, and a forking thread other than the kernel's
+would have its own context and event loop."""
 
 from __future__ import annotations
 
@@ -209,3 +210,19 @@ def test_openmp_runs_in_the_preview_after_the_kernel_started_its_threads(kernel)
         "print(km.labels_[:20], km.n_iter_)\nkm.cluster_centers_.round(6)",
     )
     assert shown[0][0] == "stream"
+
+
+def test_numpys_global_generator_is_the_kernels_when_the_preview_loads_it(tmp_path):
+    # (numpy >= 2 imports numpy.random only when first used, and seeds its global generator from
+    # the OS then: a preview that used it first drew other numbers than the real run, as in
+    # scikit-learn's `KFold(shuffle=True)` without a seed in a cross-validation tutorial)
+    k = Kernel(tmp_path / "store.sqlite", tmp_path)
+    try:
+        k.run("import sys, numpy as np")
+        assert k.value("'numpy.random' in sys.modules") == "False"
+        shown = same_as_real(k, "print(np.random.rand(3))\nnp.random.randint(10**9)")
+        assert shown[0][0] == "stream"
+        # (the kernel's numbers move on as the real run drew them; the next preview follows)
+        same_as_real(k, "np.random.permutation(10)")
+    finally:
+        k.close()

@@ -614,6 +614,19 @@ CELLS: list[tuple[str, str]] = [
         "if os.fork() == 0:\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n    time.sleep(120)\n    os._exit(0)\nprint('parent leaves')",
     ),
     ("exit without a reply", "os._exit(3)"),
+    # (the CPU bound: the preview's own SIGXCPU handler stops the cell at the soft limit)
+    (
+        "a SIGXCPU handler of its own at the CPU bound",
+        "def h(*a):\n    open('@WORK@/@MARK@-cpu', 'w').write('ESCAPED')\n    try: os.kill(@KPID@, signal.SIGKILL)\n    except BaseException as e: print('kill', type(e).__name__)\nsignal.signal(signal.SIGXCPU, h)\nwhile True:\n    pass",
+    ),
+    (
+        "the CPU bound's stop caught and the loop goes on",
+        "try:\n    while True:\n        pass\nexcept BaseException as e:\n    print('caught', type(e).__name__)\n    open('@WORK@/@MARK@-cpu', 'w').write('ESCAPED')\nwhile True:\n    pass",
+    ),
+    (
+        "a forged CPU-bound signal, then writes",
+        "try:\n    signal.raise_signal(signal.SIGXCPU)\nexcept BaseException as e:\n    print('caught', type(e).__name__)\nos.write(logf.fileno(), b'ESCAPED')\nopen('@WORK@/data.csv', 'a').write('ESCAPED')",
+    ),
     ("crash with a core dump", "import ctypes\nctypes.string_at(0)"),
     ("abort in C", "libc.abort()"),
     # -- network -----------------------------------------------------------------------------
@@ -847,6 +860,14 @@ BOUNDED = {
     "memfd beyond the memory bound": 30.0,
     "memfd written, unmapped, beyond the bound": 30.0,
     "shm segments beyond the bound": 30.0,
+    # (one CPU second, however loaded the machine)
+    "a SIGXCPU handler of its own at the CPU bound": 60.0,
+    "the CPU bound's stop caught and the loop goes on": 60.0,
+}
+#: cells that must be stopped by the CPU bound: their CPU seconds
+CPU_SECONDS = {
+    "a SIGXCPU handler of its own at the CPU bound": 1,
+    "the CPU bound's stop caught and the loop goes on": 1,
 }
 #: how some cells must end (in what stopped them, or in their output)
 EXPECT = {
@@ -871,6 +892,9 @@ EXPECT = {
     "a huge reply written to the reply pipe": "show more than 4 MB of output",
     "an 8 MB printed output": "show more than 4 MB of output",
     "an endless C-level loop ignoring signals": "run longer than 3 s",
+    "a SIGXCPU handler of its own at the CPU bound": "use more than the preview's 1 CPU second",
+    "the CPU bound's stop caught and the loop goes on": "use more than the preview's 1 CPU second",
+    "a forged CPU-bound signal, then writes": "caught PreviewStopped",
     "escape the parent death signal and outlive the deadline": "run longer than 3 s",
     "TCP connect to the test's server": "open a network connection",
     "name lookup": "look up 'example.org' on the network",
@@ -893,7 +917,10 @@ def test_no_escape(world, name, cell):
     k = world.kernel
     before = observe(world)
     seen = len(k.iopub)
-    reply = k.preview(world.fill(cell), timeout=BOUNDED.get(name, 3.0), memory_mb=512)
+    limits: dict[str, Any] = {"timeout": BOUNDED.get(name, 3.0), "memory_mb": 512}
+    if name in CPU_SECONDS:
+        limits["cpu_seconds"] = CPU_SECONDS[name]
+    reply = k.preview(world.fill(cell), **limits)
     # The cell ran (a broken test cell would prove nothing) and was not refused as a whole.
     assert reply.get("status") == "ok", reply
     broken = [

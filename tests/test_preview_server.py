@@ -38,8 +38,13 @@ def preview_timeout():
 
 
 @pytest.fixture
-def jp_server_config(store_path, fallback, fallback_settings, preview_timeout):
-    settings = {"timeout": preview_timeout}
+def preview_settings():
+    return {}
+
+
+@pytest.fixture
+def jp_server_config(store_path, fallback, fallback_settings, preview_timeout, preview_settings):
+    settings = {"timeout": preview_timeout, **preview_settings}
     if fallback:
         settings["fallback"] = fallback
     backends = {"preview": settings, **fallback_settings}
@@ -182,9 +187,34 @@ async def test_a_cell_that_waits_for_input_says_so(jp_fetch, jp_serverapp, jp_ro
     kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
     try:
         events = await predict(jp_fetch, kernel_id, "name = input('Name? ')\nprint(name)")
-        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
-        assert reasons == [
-            "this cell waits for input; no preview (no fallback backend configured)"
+        stopped = [d for n, d in events if n == "no_prediction"]
+        assert stopped == [
+            {
+                "reason": "this cell waits for input; no preview (no fallback backend configured)",
+                "code": "waits_for_input",
+                "details": {},
+            }
+        ], events
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize("preview_timeout, preview_settings", [(60.0, {"cpu_seconds": 1})])
+async def test_a_preview_stopped_by_its_cpu_bound_says_so(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
+    try:
+        events = await predict(jp_fetch, kernel_id, "print('go')\nwhile True:\n    x += 1")
+        stopped = [d for n, d in events if n == "no_prediction"]
+        # (it said "crash the kernel (signal SIGKILL)"; the frontend words it from the code)
+        assert stopped == [
+            {
+                "reason": "the preview used its 1 CPU second and was stopped; the real cell may"
+                " take long (no fallback backend configured)",
+                "code": "preview_cpu_bound",
+                "details": {"seconds": 1},
+            }
         ], events
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
@@ -273,6 +303,26 @@ async def test_stopped_preview_falls_back(jp_fetch, jp_serverapp, jp_root_dir, s
         meta = next(d for name, d in events if name == "chunk")["metadata"]["preview"]
         assert meta["fallback"] == "repeat-previous"
         assert meta["stopped"] == ["look up 'example.org' on the network"]
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize(
+    "fallback, preview_timeout, preview_settings", [("repeat-previous", 60.0, {"cpu_seconds": 1})]
+)
+async def test_a_preview_stopped_by_its_cpu_bound_falls_back_and_says_why(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    kernel_id = await live_kernel(
+        jp_fetch, jp_serverapp, jp_root_dir, store_path, "print('recorded output')"
+    )
+    try:
+        events = await predict(jp_fetch, kernel_id, "while True:\n    pass")
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "recorded output\n"
+        # (the frontend words the note from cpu_bound)
+        meta = next(d for n, d in events if n == "chunk")["metadata"]["preview"]
+        assert meta["fallback"] == "repeat-previous" and meta["cpu_bound"] == 1, meta
+        assert meta["stopped"] == ["use more than the preview's 1 CPU second"]
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import psutil
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, WebSocket, expect, sync_playwright
 
 from jupyter_themisto.store import TrajectoryStore
 from tests.peers import Fault, OpenAIPeer
@@ -650,6 +650,46 @@ def test_a_long_preview_shows_its_time_and_is_cancelled(page: Page, lab: Jupyter
         assert lab.kernel_id("long.ipynb") == kernel_id  # (the kernel itself goes on)
     finally:
         started.unlink(missing_ok=True)
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
+
+
+def test_completion_asked_while_a_preview_runs_is_answered(page: Page, lab: JupyterLab) -> None:
+    """A running preview holds the kernel (up to its bound, 50 s): a completion (Tab) asked
+    of the kernel meanwhile cancels the notebook's previews and says why, and the kernel
+    answers it. (Whether the completer then lists the answer depends on JupyterLab's provider
+    timeout, 1 s, which a first Jedi completion on a loaded machine outlasts: the test looks
+    for the kernel's reply on the websocket.)"""
+    lab.api("PUT", SETTINGS, {"raw": '{"outputBackend": "preview", "debounceMs": 30}'})
+    replies: list[str] = []
+
+    def on_socket(ws: WebSocket) -> None:
+        ws.on(
+            "framereceived",
+            lambda payload: replies.append("reply") if "complete_reply" in str(payload) else None,
+        )
+
+    page.on("websocket", on_socket)
+    try:
+        kernel_id = open_notebook(page, lab, "complete.ipynb")
+        run_cell(page, "alpha_one, alpha_two = 1, 2")
+        _wait(lambda: not _preview_processes(kernel_id))  # (the recorder's snapshot)
+        active = type_in_active_cell(page, "import time; time.sleep(100)\nalpha_")
+        page.keyboard.press("Alt+p")
+        predicted = active.locator(".jp-ThemistoPredictedOutput")
+        label = predicted.locator(".jp-ThemistoPredictedOutput-label")
+        expect(label).to_contain_text("running")
+        assert _preview_processes(kernel_id) and not replies
+        page.keyboard.press("Tab")
+        expect(predicted).to_have_attribute("data-state", "cancelled")
+        expect(label).to_contain_text("completion or help asked of the kernel")
+        deadline = time.monotonic() + 30  # (the preview would hold the kernel for 50 s)
+        while not replies:  # (the listener runs while Playwright waits, not in time.sleep)
+            assert time.monotonic() < deadline, "no complete_reply from the kernel"
+            page.wait_for_timeout(100)
+        _wait(lambda: not _preview_processes(kernel_id))
+        shot(page, "8-completion-during-preview")
+    finally:
+        page.remove_listener("websocket", on_socket)
         lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 
 

@@ -73,7 +73,25 @@ class BackendUnavailable(BackendError):
 
 
 class NoPrediction(Exception):  # noqa: N818 - a normal outcome, not an error
-    """The backend honestly has nothing to predict for this request (with the reason)."""
+    """The backend honestly has nothing to predict for this request (with the reason).
+
+    `code` and `details` name a reason the frontend words in the person's language (the
+    `no_prediction` event carries them beside the reason, which stays English for logs)."""
+
+    def __init__(
+        self, reason: str = "", code: str | None = None, details: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.details = dict(details or {})
+
+    def event_data(self) -> dict[str, Any]:
+        """The `no_prediction` event's data."""
+        data: dict[str, Any] = {"reason": str(self) or "no prediction"}
+        if self.code:
+            data["code"] = self.code
+            data["details"] = self.details
+        return data
 
 
 class Predictor:

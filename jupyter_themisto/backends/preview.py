@@ -273,6 +273,8 @@ class PreviewPredictor(Predictor):
         if reply.get("status") == "cancelled":
             raise NoPrediction("preview cancelled")
         meta = {"preview": {k: reply.get(k) for k in ("stopped", "sandbox", "status")}}
+        if "cpu_bound" in reply:
+            meta["preview"]["cpu_bound"] = reply["cpu_bound"]
         if reply.get("status") != "ok" or stopped:
             from ..kernel.preview import WAITS_FOR_INPUT
 
@@ -280,12 +282,23 @@ class PreviewPredictor(Predictor):
                 "; ".join(f"preview stopped: the cell would {s}" for s in stopped)
                 or f"preview {reply.get('status')}: {reply.get('detail', '')}"
             )
+            code, details = None, {}
+            cpu = reply.get("cpu_bound")
             if WAITS_FOR_INPUT in stopped:
                 why = "this cell waits for input; no preview"
+                code = "waits_for_input"
+            elif isinstance(cpu, int) and len(stopped) == 1:
+                # (not the cell's fault: a long computation outlasts the preview's bound)
+                unit = "second" if cpu == 1 else "seconds"
+                why = (
+                    f"the preview used its {cpu} CPU {unit} and was stopped; the real cell may "
+                    "take long"
+                )
+                code, details = "preview_cpu_bound", {"seconds": cpu}
             self.env.log.info("themisto: %s", why)
             fallback = self._fallback_backend()
             if fallback is None:
-                raise NoPrediction(f"{why} (no fallback backend configured)")
+                raise NoPrediction(f"{why} (no fallback backend configured)", code, details)
             meta["preview"]["fallback"] = fallback.name
             passed_on = self.env.scrub(ctx) if self.env.scrub is not None else ctx
             async for chunk in fallback.predict_output(passed_on):

@@ -1,16 +1,16 @@
 """Runs a cell speculatively in an isolated fork of the kernel and returns what it would show.
 
-The server calls `run_preview(source)` through a silent execute_request's user_expressions.
-A kernel that may create namespaces (root) forks the preview's first process straight into new
+The server calls `run_preview(source)` through a silent execute_request's user_expressions. A
+kernel that may create namespaces (root) forks the preview's first process straight into new
 ones (`sandbox.fork_into_namespaces`); any other kernel forks a monitor, which enters a user
 namespace and the others and forks the first process into them. That process isolates itself —
 private copy-on-write root, no descriptor shared with the kernel but the reply pipe, no
 capability, Landlock, seccomp — runs the cell against its copy-on-write namespace as the kernel
 would (streams interleaved as ipykernel publishes them, displays, the last expression's
 execute_result formatted by the shell's own display formatter, the input history, the state of
-`random`), sends the outputs back as JSON and leaves with os._exit. The kernel reads the reply
-within bounds of time, bytes and memory, and kills the whole namespace at the end, whatever it is
-doing.
+`random` and numpy's global generator), sends the outputs back as JSON and leaves with os._exit.
+The kernel reads the reply within bounds of time, bytes and memory, and kills the whole
+namespace at the end, whatever it is doing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ast
 import contextlib
 import errno
 import gc
+import importlib
 import io
 import json
 import os
@@ -55,6 +56,15 @@ FLUSH_INTERVAL = 0.2
 #: what `stopped` says of a cell that calls input() or getpass (the real run waits for the
 #: person to type; a preview cannot know what they will type)
 WAITS_FOR_INPUT = "wait for input"
+
+
+def cpu_bound(cpu_seconds: int) -> str:
+    """What `stopped` says of a cell whose preview used all its `cpu_seconds` (the reply's
+    `cpu_bound` holds them): not the cell's fault; its real run may simply take long."""
+    unit = "second" if cpu_seconds == 1 else "seconds"
+    return f"use more than the preview's {cpu_seconds} CPU {unit}"
+
+
 #: the abstract unix socket name a preview listens on for a cancel: this prefix and the token
 #: the server chose (abstract names belong to the network namespace: the kernel's, the server's
 #: when both run on one machine; never the preview's, which has a network namespace of its own)
@@ -270,6 +280,22 @@ def _waits_for_input(stopped: list[str]) -> None:
     getpass.getpass = waits
 
 
+def _stop_at_cpu_bound(stopped: list[str], reply: dict[str, Any], cpu_seconds: int) -> None:
+    """At the soft CPU limit the kernel sends SIGXCPU, which the first process of a PID
+    namespace ignores unless it has a handler; with this one the cell stops there and its outputs
+    so far are sent (a cell in C code past the hard limit, a second later, is killed: the
+    kernel then tells the bound from the CPU time the process used)."""
+
+    def used_up(signum: int, frame: Any) -> None:
+        what = cpu_bound(cpu_seconds)
+        if what not in stopped:
+            stopped.append(what)
+        reply["cpu_bound"] = cpu_seconds
+        raise sandbox.PreviewStopped(f"preview stopped: the cell would {what}")
+
+    signal.signal(signal.SIGXCPU, used_up)
+
+
 def _flush_inline_figures() -> None:
     # The inline backend shows figures from a post_execute hook the preview does not fire.
     if "matplotlib.pyplot" not in sys.modules:
@@ -351,10 +377,26 @@ def _serial_openmp() -> None:
         pass
 
 
+#: modules that seed a random generator from the OS when first imported, each with the package
+#: whose import makes it likely (None: always): numpy loads numpy.random only when first used
+#: (numpy >= 2). Imported first in a preview, the preview's numbers would come from other entropy
+#: than the real run's, which imports the module itself later (`KFold(shuffle=True)`,
+#: `np.random.rand()` without a seed), so the kernel imports them before the fork.
+SEEDED_ON_IMPORT = ((None, "random"), ("numpy", "numpy.random"))
+
+
+def _import_seeded_modules() -> None:
+    for package, module in SEEDED_ON_IMPORT:
+        if module not in sys.modules and (package is None or package in sys.modules):
+            with contextlib.suppress(Exception):
+                importlib.import_module(module)
+
+
 class _KernelState:
     """What the child must take over from the kernel as it was just before the fork."""
 
     def __init__(self) -> None:
+        _import_seeded_modules()
         compiler = sys.modules.get("ipykernel.compiler")
         #: the kernel's folder of cell files (its name holds the kernel's pid)
         self.cell_dir = compiler.get_tmp_directory() if compiler is not None else None
@@ -406,6 +448,7 @@ def _child(
         except Exception:
             pass
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        _stop_at_cpu_bound(stopped, reply, cpu_seconds)
         kernel.restore()
         # (before isolation: the descriptors of the person's open files, looked up without
         # running any of the person's code)
@@ -553,6 +596,8 @@ class _Direct:
     def __init__(self, pid: int, sysv: int) -> None:
         self.pid: int | None = pid
         self.refused: str | None = None
+        #: the CPU seconds the first process used, when `finish` saw how it ended
+        self.cpu: float | None = None
         self._sysv = sysv
 
     def started(self, until: float) -> None:
@@ -583,7 +628,7 @@ class _Direct:
         try:
             if pidfd is not None:
                 select.select([pidfd], [], [], 5.0)
-            got, status = os.waitpid(pid, os.WNOHANG)
+            got, status, usage = os.wait4(pid, os.WNOHANG)
         except ChildProcessError:
             return None
         finally:
@@ -592,6 +637,7 @@ class _Direct:
         if not got:
             threading.Thread(target=_reap, args=(pid,), daemon=True).start()
             return None
+        self.cpu = usage.ru_utime + usage.ru_stime
         return status
 
 
@@ -605,6 +651,7 @@ class _Monitored:
         self.monitor = monitor
         self.pid: int | None = None
         self.refused: str | None = None
+        self.cpu: float | None = None
         self._sock = ctl
         self._ctl = ctl.fileno()
         self._buffer = b""
@@ -652,7 +699,9 @@ class _Monitored:
             until = time.monotonic() + 5
             while (line := self.line(until)) is not None:
                 if line.startswith("S "):
-                    status = int(line[2:])
+                    status_text, _, cpu = line[2:].partition(" ")
+                    status = int(status_text)
+                    self.cpu = float(cpu) if cpu else None
                     break
         if status is None:
             with contextlib.suppress(ProcessLookupError):
@@ -695,8 +744,8 @@ def _monitor(ctl: int, wfd: int, child: Any) -> None:
             os.kill(pid, signal.SIGKILL)  # the first process: the namespace goes with it
         except ProcessLookupError:
             pass
-        _, status = os.waitpid(pid, 0)
-        os.write(ctl, f"S {status}\n".encode())
+        _, status, usage = os.wait4(pid, 0)
+        os.write(ctl, f"S {status} {usage.ru_utime + usage.ru_stime}\n".encode())
     except BaseException as e:
         try:
             os.write(ctl, f"E preview failed: {type(e).__name__}: {e}\n".encode())
@@ -802,6 +851,7 @@ def _describe_status(
     killed: str | None,
     memory_mb: int,
     garbled: bool = False,
+    cpu: float | None = None,
 ) -> str:
     if killed == "memory":
         return f"use more than {memory_mb} MB of memory"
@@ -811,8 +861,12 @@ def _describe_status(
         return f"show more than {MAX_REPLY >> 20} MB of output"
     if status is not None and os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        if sig == signal.SIGXCPU:
-            return f"use more than {cpu_seconds} s of CPU time"
+        # (the first process ignores the soft limit's SIGXCPU if the cell took its handler: the
+        # hard limit's SIGKILL ends it a second later)
+        if sig == signal.SIGXCPU or (
+            sig == signal.SIGKILL and cpu is not None and cpu >= cpu_seconds
+        ):
+            return cpu_bound(cpu_seconds)
         if sig == signal.SIGSYS:
             return "make a system call the sandbox forbids"
         return f"crash the kernel (signal {signal.Signals(sig).name})"
@@ -971,14 +1025,17 @@ def _preview(
         reply = {}
     if not reply or watch.killed:
         partial = reply
+        what = _describe_status(
+            status, timeout, cpu_seconds, watch.killed, memory_mb, garbled, spawned.cpu
+        )
         reply = {
             "outputs": partial.get("outputs", []),
             "sandbox": partial.get("sandbox", {}),
             "status": "ok",
-            "stopped": [
-                _describe_status(status, timeout, cpu_seconds, watch.killed, memory_mb, garbled)
-            ],
+            "stopped": [what],
         }
+        if what == cpu_bound(cpu_seconds):
+            reply["cpu_bound"] = cpu_seconds
     reply["fork_ms"] = fork_ms
     reply["elapsed_ms"] = (time.perf_counter() - t0) * 1000
     steps = reply.pop("times", None)

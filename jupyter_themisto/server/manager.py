@@ -546,7 +546,7 @@ class ThemistoManager:
         try:
             first = await self._next(agen, deadline, task)
         except NoPrediction as e:
-            first = Event("no_prediction", {"reason": str(e) or "no prediction"})
+            first = Event("no_prediction", e.event_data())
         except asyncio.CancelledError:
             self.cancelled += 1
             await agen.aclose()
@@ -616,7 +616,7 @@ class ThemistoManager:
                 try:
                     event = await self._next(agen, deadline, task)
                 except NoPrediction as e:
-                    event = Event("no_prediction", {"reason": str(e) or "no prediction"})
+                    event = Event("no_prediction", e.event_data())
                 except BackendError as e:
                     yield Event("error", {"status": e.status, "message": str(e)})
                     break

@@ -2,8 +2,10 @@
  * A prediction's result as its events arrive: suggestions gathered by index (next cell) or the
  * output text (output), which backend answered, how long it took, and why it had nothing.
  */
+import { TranslationBundle } from '@jupyterlab/translation';
+
 import { ThemistoError } from './errors';
-import { IChunkMetadata, IPredictionResult, ISuggestion, PredictEvent, Task } from './types';
+import { IPredictionResult, ISuggestion, PredictEvent, Task } from './types';
 
 /** The result before any event. */
 export function emptyResult(): IPredictionResult {
@@ -13,7 +15,8 @@ export function emptyResult(): IPredictionResult {
     suggestions: [],
     output: '',
     noPrediction: null,
-    note: null
+    noPredictionEvent: null,
+    standIn: null
   };
 }
 
@@ -26,7 +29,9 @@ export function addEvent(result: IPredictionResult, task: Task, item: PredictEve
     case 'chunk':
       if (task === 'output') {
         result.output += item.data.text ?? '';
-        result.note = standInNote(item.data.metadata) ?? result.note;
+        if (item.data.metadata?.preview?.fallback) {
+          result.standIn = item.data.metadata.preview;
+        }
       } else {
         const index = item.data.index ?? 0;
         let suggestion: ISuggestion | undefined = result.suggestions.find(s => s.index === index);
@@ -44,6 +49,7 @@ export function addEvent(result: IPredictionResult, task: Task, item: PredictEve
       break;
     case 'no_prediction':
       result.noPrediction = item.data.reason || 'no prediction';
+      result.noPredictionEvent = item.data;
       break;
     case 'error':
       throw new ThemistoError(item.data.message, item.data.status);
@@ -57,12 +63,44 @@ export function addEvent(result: IPredictionResult, task: Task, item: PredictEve
   }
 }
 
+/** The preview's CPU bound, worded for the person (not the cell's fault: it may take long). */
+function cpuBoundText(seconds: number, trans: TranslationBundle): string {
+  return trans._n(
+    'the preview used its %1 CPU second and was stopped; the real cell may take long',
+    'the preview used its %1 CPU seconds and was stopped; the real cell may take long',
+    seconds // (%1: the count)
+  );
+}
+
+/** Why there is no prediction, in the person's language where the server named the reason
+ * (else the server's reason as it is). */
+export function noPredictionText(result: IPredictionResult, trans: TranslationBundle): string {
+  const event = result.noPredictionEvent;
+  const seconds = event?.details?.seconds;
+  switch (event?.code) {
+    case 'preview_cpu_bound':
+      if (typeof seconds === 'number') {
+        return cpuBoundText(seconds, trans);
+      }
+      break;
+    case 'waits_for_input':
+      return trans.__('this cell waits for input; no preview');
+  }
+  return result.noPrediction ?? trans.__('no prediction');
+}
+
 /** "preview stopped: the cell would …; answered by X", when a backend stood in for preview. */
-function standInNote(metadata: IChunkMetadata | undefined): string | null {
-  const preview = metadata?.preview;
+export function standInNote(result: IPredictionResult, trans: TranslationBundle): string | null {
+  const preview = result.standIn;
   if (!preview?.fallback) {
     return null;
   }
-  const why = (preview.stopped ?? []).map(s => `the cell would ${s}`).join('; ');
-  return `preview stopped${why ? `: ${why}` : ''}; answered by ${preview.fallback}`;
+  if (typeof preview.cpu_bound === 'number') {
+    return trans.__('%1; answered by %2', cpuBoundText(preview.cpu_bound, trans), preview.fallback);
+  }
+  // (what the cell would do is the kernel's English)
+  const why = (preview.stopped ?? []).map(s => trans.__('the cell would %1', s)).join('; ');
+  return why
+    ? trans.__('preview stopped: %1; answered by %2', why, preview.fallback)
+    : trans.__('preview stopped; answered by %1', preview.fallback);
 }

@@ -10,6 +10,7 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 import { describeFailure } from './errors';
 import { streamPrediction } from './predict';
+import { noPredictionText } from './result';
 import { DEFAULT_SETTINGS, IThemistoSettings, notebookOptedOut } from './settings';
 import { IPredictRequest, IPredictionResult, Task } from './types';
 
@@ -199,7 +200,7 @@ export class ThemistoService {
       if (result.noPrediction) {
         this.setStatus({
           level: 'info',
-          message: this._trans.__('No suggestion yet: %1', result.noPrediction)
+          message: this._trans.__('No suggestion yet: %1', noPredictionText(result, this._trans))
         });
       } else {
         this.setStatus(null);

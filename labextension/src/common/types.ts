@@ -85,7 +85,17 @@ export interface IChunkMetadata {
     status?: string;
     fallback?: string;
     sandbox?: Record<string, string>;
+    /** The preview's CPU seconds, when that bound stopped it. */
+    cpu_bound?: number;
   };
+}
+
+/** Why a backend has nothing: the server's reason (English), and for some reasons a code and
+ * details that the frontend words in the person's language. */
+export interface INoPredictionEvent {
+  reason: string;
+  code?: string;
+  details?: Record<string, unknown>;
 }
 
 export interface IDoneEvent {
@@ -97,7 +107,7 @@ export interface IDoneEvent {
 export type PredictEvent =
   | { event: 'meta'; data: IMetaEvent }
   | { event: 'chunk'; data: INextCellChunk & IOutputChunk }
-  | { event: 'no_prediction'; data: { reason: string } }
+  | { event: 'no_prediction'; data: INoPredictionEvent }
   | { event: 'error'; data: { status: number; message: string } }
   | { event: 'done'; data: IDoneEvent };
 
@@ -116,6 +126,8 @@ export interface IPredictionResult {
   suggestions: ISuggestion[];
   output: string;
   noPrediction: string | null;
-  /** Why the answering backend stood in for another (e.g. what stopped a preview). */
-  note: string | null;
+  /** The no_prediction event as sent (its code and details; see `noPredictionText`). */
+  noPredictionEvent: INoPredictionEvent | null;
+  /** What stopped a preview when another backend stood in for it (see `standInNote`). */
+  standIn: IChunkMetadata['preview'] | null;
 }

@@ -4,11 +4,13 @@
  */
 import { Cell, CodeCell } from '@jupyterlab/cells';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
+import { Kernel } from '@jupyterlab/services';
 import { ITranslator, TranslationBundle } from '@jupyterlab/translation';
 import { CommandRegistry } from '@lumino/commands';
 import { PanelLayout, Widget } from '@lumino/widgets';
 
 import { streamPrediction } from '../common/predict';
+import { noPredictionText, standInNote } from '../common/result';
 import { ThemistoService } from '../common/service';
 import { outputsMatch, outputsText, PredictedOutput, PredictionBadge } from './predicted';
 
@@ -21,6 +23,11 @@ const OUTPUT_TIMEOUT_MS = 65000;
 
 /** Kernel states in which a running preview is cancelled (the kernel goes away). */
 const KERNEL_GOING = new Set(['restarting', 'autorestarting', 'terminating', 'dead']);
+
+/** What the person asks of the kernel that a running preview would hold up (the kernel answers
+ * it once the preview has ended, up to the preview's bound): a completion (Tab) or inspection
+ * (Shift+Tab, the contextual help). Asked for, the notebook's previews give way. */
+const ASKED_OF_THE_KERNEL = new Set(['complete_request', 'inspect_request']);
 
 interface ICellPrediction {
   widget: PredictedOutput;
@@ -67,11 +74,12 @@ export class OutputPredictions {
     })
       .then(result => {
         if (result.noPrediction && !result.output) {
-          widget.setState('none', result.noPrediction);
+          widget.setState('none', noPredictionText(result, this._trans));
         } else {
           const took = result.elapsedMs !== null ? `${Math.round(result.elapsedMs)} ms` : '';
           widget.setText(result.output);
-          const detail = [result.backend, took, result.note].filter(Boolean).join(', ');
+          const note = standInNote(result, this._trans);
+          const detail = [result.backend, took, note].filter(Boolean).join(', ');
           widget.setState('done', detail);
         }
       })
@@ -144,10 +152,29 @@ export class OutputPredictions {
         stopAll(this._trans.__('kernel %1', status));
       }
     };
+    const onMessage = (_: unknown, { msg, direction }: Kernel.IAnyMessageArgs) => {
+      if (direction === 'send' && ASKED_OF_THE_KERNEL.has(msg.header.msg_type)) {
+        stopAll(this._trans.__('completion or help asked of the kernel'));
+      }
+    };
+    const onKernel = (
+      _: unknown,
+      change: {
+        oldValue: Kernel.IKernelConnection | null;
+        newValue: Kernel.IKernelConnection | null;
+      }
+    ) => {
+      change.oldValue?.anyMessage.disconnect(onMessage);
+      change.newValue?.anyMessage.connect(onMessage);
+    };
     panel.sessionContext.statusChanged.connect(onStatus);
+    panel.sessionContext.session?.kernel?.anyMessage.connect(onMessage);
+    panel.sessionContext.kernelChanged.connect(onKernel);
     panel.disposed.connect(() => {
       stopAll(this._trans.__('notebook closed'));
       panel.sessionContext.statusChanged.disconnect(onStatus);
+      panel.sessionContext.kernelChanged.disconnect(onKernel);
+      panel.sessionContext.session?.kernel?.anyMessage.disconnect(onMessage);
       this._watched.delete(panel);
       for (const [cell, entry] of this._predictions) {
         if (entry.panel === panel) {

@@ -3,9 +3,12 @@
  * format (jupyter_themisto/server/handlers.py) and can produce what a real server rarely does:
  * events cut anywhere, multi-line data, comments, a malformed event, a connection left open.
  */
+import { nullTranslator, TranslationBundle } from '@jupyterlab/translation';
+
 import { PredictEvent, IPredictionResult, Task } from '../types';
 import { ThemistoError } from '../errors';
 import { streamPrediction } from '../predict';
+import { noPredictionText, standInNote } from '../result';
 import { readEvents } from '../sse';
 import {
   connectionTo,
@@ -18,6 +21,17 @@ import {
 } from './loopback';
 
 const TOKEN = 'loopback-token';
+
+/** English, as the strings are written. */
+const trans = nullTranslator.load('jupyter_themisto');
+/** A "translation" that shows which strings went through the bundle. */
+/* eslint-disable jupyter/no-dynamic-translation -- it passes on the callers' literals */
+const marked = {
+  __: (msgid: string, ...args: unknown[]) => `«${trans.__(msgid, ...args)}»`,
+  _n: (msgid: string, plural: string, n: number, ...args: unknown[]) =>
+    `«${trans._n(msgid, plural, n, ...args)}»`
+} as unknown as TranslationBundle;
+/* eslint-enable jupyter/no-dynamic-translation */
 const CLOSE_MS = 5000;
 
 /** A body stream that hands over `pieces` one read at a time. */
@@ -166,7 +180,8 @@ describe('streamPrediction over HTTP', () => {
       ],
       output: '',
       noPrediction: null,
-      note: null
+      noPredictionEvent: null,
+      standIn: null
     });
   });
 
@@ -238,7 +253,9 @@ describe('streamPrediction over HTTP', () => {
     };
     const result = await predict('output');
     expect(result.output).toBe('1\n2\n');
-    expect(result.note).toBe('preview stopped: the cell would write files; answered by openai');
+    expect(standInNote(result, trans)).toBe(
+      'preview stopped: the cell would write files; answered by openai'
+    );
     expect(server.exchanges[server.exchanges.length - 1].url.split('?')[0]).toBe(
       '/themisto/predict/output'
     );
@@ -254,6 +271,61 @@ describe('streamPrediction over HTTP', () => {
     const result = await predict('next-cell');
     expect(result.noPrediction).toBe('the model returned no suggestion');
     expect(result.suggestions).toEqual([]);
+  });
+
+  it("words a preview's CPU bound in the person's language", async () => {
+    // (the server's reason stays English; its code and details are translated here)
+    const stopped = (seconds: number) =>
+      themistoEvent('no_prediction', {
+        reason: `the preview used its ${seconds} CPU seconds and was stopped; … (English)`,
+        code: 'preview_cpu_bound',
+        details: { seconds }
+      });
+    for (const seconds of [60, 1]) {
+      server.handler = (req, res) => {
+        startThemistoStream(res);
+        res.write(themistoEvent('meta', { backend: 'preview', request_id: 'r1' }));
+        res.write(stopped(seconds));
+        res.end(themistoEvent('done', { backend: 'preview', elapsed_ms: 2 }));
+      };
+      const result = await predict('output');
+      const unit = seconds === 1 ? 'second' : 'seconds';
+      expect(noPredictionText(result, trans)).toBe(
+        `the preview used its ${seconds} CPU ${unit} and was stopped; the real cell may take long`
+      );
+      expect(noPredictionText(result, marked)).toBe(
+        `«the preview used its ${seconds} CPU ${unit} and was stopped; the real cell may take long»`
+      );
+    }
+    // A reason without a code is shown as the server wrote it.
+    server.handler = (req, res) => {
+      startThemistoStream(res);
+      res.write(themistoEvent('no_prediction', { reason: 'kernel busy (busy)' }));
+      res.end(themistoEvent('done', { backend: 'preview', elapsed_ms: 2 }));
+    };
+    expect(noPredictionText(await predict('output'), marked)).toBe('kernel busy (busy)');
+  });
+
+  it('notes a backend that stood in for a preview stopped by its CPU bound', async () => {
+    const metadata = {
+      preview: {
+        stopped: ["use more than the preview's 60 CPU seconds"],
+        cpu_bound: 60,
+        fallback: 'openai'
+      }
+    };
+    server.handler = (req, res) => {
+      startThemistoStream(res);
+      res.write(themistoEvent('chunk', { text: '1\n', metadata }));
+      res.end(themistoEvent('done', { backend: 'preview', elapsed_ms: 8 }));
+    };
+    const result = await predict('output');
+    expect(standInNote(result, trans)).toBe(
+      'the preview used its 60 CPU seconds and was stopped; the real cell may take long; answered by openai'
+    );
+    expect(standInNote(result, marked)).toBe(
+      '««the preview used its 60 CPU seconds and was stopped; the real cell may take long»; answered by openai»'
+    );
   });
 
   it('rejects with the status and message of an error event', async () => {
