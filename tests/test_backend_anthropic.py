@@ -58,13 +58,16 @@ async def test_retries_overloaded_and_rate_limit(peer):
 
 
 async def test_errors(peer):
-    b = backend(peer, max_retries=0, timeout=0.5)
+    b = backend(peer, max_retries=0)
     peer.fail(Fault.error(500))
     with pytest.raises(BackendError, match="HTTP 500.*Internal server error"):
         await next_text(b)
+    # A short bound for the hang only (0.5 s can run out on a loaded machine before a reply).
+    hasty = backend(peer, max_retries=0, timeout=0.5)
     peer.fail(Fault.hang(1.5))
     with pytest.raises(BackendTimeout):
-        await next_text(b)
+        await next_text(hasty)
+    await hasty.aclose()
     peer.fail(Fault.malformed())
     with pytest.raises(BackendError, match="malformed JSON"):
         await next_text(b)

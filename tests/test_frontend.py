@@ -26,6 +26,9 @@ from tests.ui.lab import JupyterLab, free_port
 ROOT = Path(__file__).resolve().parents[1]
 LABEXT = ROOT / "labextension"
 VENV_BIN = Path(sys.executable).parent
+# The jest run (its own bound: 600 s) and the server it talks to are set up in a fixture that
+# counts towards the first test's time: more than the default 300 s on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 
 # `it('title', …)` / `it("title", …)` in the spec files: what jest must report, one by one.
 _IT = re.compile(r"""^\s*it\(\s*(?P<q>['"])(?P<title>.+?)(?P=q),""", re.M)

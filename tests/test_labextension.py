@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 LABEXT = "share/jupyter/labextensions/jupyter-themisto"
 
+# A clean build (npm install, webpack) and a pip install into a new environment take minutes
+# on a loaded 2-core machine: the bound is that of their own commands, not the default 300 s.
+pytestmark = pytest.mark.timeout(900)
+
 
 def _tracked_files() -> list[str]:
     out = subprocess.run(

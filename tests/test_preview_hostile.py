@@ -63,17 +63,22 @@ rwf = open("@WORK@/rw.bin", "r+b")
 rwf.seek(100)
 import io
 _kernel_pid = os.getpid()
+def _sprung():
+    # (who sprang it, and from where: a fork of the kernel is the preview or a snapshot child)
+    import traceback
+    where = "".join(traceback.format_stack(limit=8)[:-1]).replace("\n", " | ")
+    open("@WORK@/trap.log", "a").write(f"ESCAPED pid {os.getpid()}: {where}\n")
 class _Trap(io.TextIOWrapper):
     # (a handle whose methods write a file in a preview: the preview looks for the files to
     # copy before it is isolated, and must run none of them then)
     def fileno(self):
         if os.getpid() != _kernel_pid:
-            open("@WORK@/trap.log", "a").write("ESCAPED\n")
+            _sprung()
         return 1
     @property
     def __class__(self):
         if os.getpid() != _kernel_pid:
-            open("@WORK@/trap.log", "a").write("ESCAPED\n")
+            _sprung()
         return io.FileIO
 trap = _Trap(io.BytesIO()); traps = [trap]; trapd = {"t": trap}
 import fcntl
@@ -150,9 +155,18 @@ class World:
         }
         self.sock_port = int(self.kernel.value("sock.getsockname()[1]"))
         self.clock = time.time() - time.monotonic()
+        # The recorder's snapshot of the setup cell (taken in a child of the kernel, which runs
+        # the trap's `__class__` as `isinstance` does) is over before anything is observed:
+        # settle() takes a snapshot still due and waits for the writer, then for the child.
+        recorder = "__import__('jupyter_themisto.kernel').kernel.get_recorder()"
+        self.kernel.value(f"{recorder}.settle(60)")
+        running = f"{recorder}.snapshots.running()"
+        deadline = time.monotonic() + 120
+        while self.kernel.value(running) != "0":
+            assert time.monotonic() < deadline, "the setup cell's snapshot never finished"
+            time.sleep(0.1)
         self.children = [c.pid for c in psutil.Process(self.kernel.pid).children(recursive=True)]
         self.kernel.iopub.clear()
-        time.sleep(0.5)  # the recorder's snapshot of the setup cell
 
     def fill(self, source: str) -> str:
         for token, value in self.tokens.items():
@@ -934,11 +948,10 @@ def test_no_escape(world, name, cell):
         assert EXPECT[name] in " ".join(reply["stopped"]) + text_of(reply), reply
     time.sleep(0.3)  # (anything that got out has time to land)
     after = observe(world)
-    assert after == before, json.dumps(
-        {key: (before[key], after[key]) for key in before if before[key] != after[key]},
-        indent=1,
-        default=str,
-    )
+    diff = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    if diff and (world.work / "trap.log").exists():  # who sprang the trap, from where
+        diff["trap.log"] = (world.work / "trap.log").read_text()[-6000:]
+    assert after == before, json.dumps(diff, indent=1, default=str)
     # Nothing reached iopub but the previews' own busy/idle; the kernel answers as before.
     assert k.value("canary") == "'alive'"
     foreign = [m for m in k.iopub[seen:] if m["msg_type"] != "status"]

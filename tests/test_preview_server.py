@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import nbformat
@@ -29,6 +30,10 @@ def fallback_settings(fallback, request):
     if fallback == "openai":  # a loopback model server stands in
         peer = request.getfixturevalue("peer")
         return {"openai": {"base_url": peer.url, "api_key": "loopback", "max_retries": 0}}
+    if fallback == "llamacpp":
+        # A whole answer within the default 5 s is not what is tested here: a loaded machine
+        # ended it before the model's first word (an empty answer).
+        return {"llamacpp": {"suggestion_timeout": 120.0}}
     return {}
 
 
@@ -43,8 +48,17 @@ def preview_settings():
 
 
 @pytest.fixture
-def jp_server_config(store_path, fallback, fallback_settings, preview_timeout, preview_settings):
+def busy_wait():
+    return None  # the default
+
+
+@pytest.fixture
+def jp_server_config(
+    store_path, fallback, fallback_settings, preview_timeout, preview_settings, busy_wait
+):
     settings = {"timeout": preview_timeout, **preview_settings}
+    if busy_wait is not None:
+        settings["busy_wait"] = busy_wait
     if fallback:
         settings["fallback"] = fallback
     backends = {"preview": settings, **fallback_settings}
@@ -76,7 +90,9 @@ async def predict(jp_fetch, kernel_id, source, **extra):
 
 
 #: a long cell whose preview starts a process of its own: a cancelled preview leaves neither
-LONG = "import subprocess, time\np = subprocess.Popen(['sleep', '301'])\ntime.sleep(300)"
+#: (this test run's own sleeper: another run of these tests on the machine has its own)
+SLEEPER = ["sleep", f"301.{os.getpid()}"]
+LONG = f"import subprocess, time\np = subprocess.Popen({SLEEPER!r})\ntime.sleep(300)"
 
 
 def preview_processes(kernel_pid: int) -> list[psutil.Process]:
@@ -85,7 +101,7 @@ def preview_processes(kernel_pid: int) -> list[psutil.Process]:
         found = psutil.Process(kernel_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         found = []
-    found += [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
+    found += [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == SLEEPER]
     alive = []
     for p in found:
         try:
@@ -109,8 +125,32 @@ async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeou
         )
     )
     await wait_for(
-        lambda: any(p.info["cmdline"] == ["sleep", "301"] for p in psutil.process_iter(["cmdline"]))
+        lambda: any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
     )
+    return task, pid
+
+
+async def superseded_by_its_client(jp_fetch, jp_serverapp, kernel_id) -> int:
+    """A long preview of client browser-1 superseded by its next request (409), which answers
+    `print(x)` with x = 1: the kernel's pid."""
+    first, pid = await long_preview_running(
+        jp_fetch, jp_serverapp, kernel_id, client_id="browser-1"
+    )
+    events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-1")
+    assert "".join(d["text"] for n, d in events if n == "chunk") == "1\n", events
+    with pytest.raises(HTTPClientError) as superseded:
+        await first
+    assert superseded.value.code == 409
+    return pid
+
+
+async def refused_for_another_client(jp_fetch, jp_serverapp, kernel_id):
+    """A long preview running while another client asks: that one is refused at once ("kernel
+    busy"), not queued behind: (the running preview's task, kernel pid)."""
+    task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
+    events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
+    reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+    assert reasons and reasons[0].startswith("kernel busy"), events
     return task, pid
 
 
@@ -143,23 +183,13 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         assert backend.cancelled == 1
 
         # The same client asks for another prediction on that kernel: the first is superseded.
-        first, pid = await long_preview_running(
-            jp_fetch, jp_serverapp, kernel_id, client_id="browser-1"
-        )
-        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-1")
-        assert "".join(d["text"] for n, d in events if n == "chunk") == "1\n", events
-        with pytest.raises(HTTPClientError) as superseded:
-            await first
-        assert superseded.value.code == 409
+        pid = await superseded_by_its_client(jp_fetch, jp_serverapp, kernel_id)
         assert backend.cancelled == 2
         # (the second preview's own processes end just after its reply)
         await wait_for(lambda: not preview_processes(pid), timeout=20)
 
         # Another client's preview on that kernel meanwhile: not queued behind, said so.
-        task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id)
-        events = await predict(jp_fetch, kernel_id, "print(x)", client_id="browser-2")
-        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
-        assert reasons and reasons[0].startswith("kernel busy"), events
+        task, pid = await refused_for_another_client(jp_fetch, jp_serverapp, kernel_id)
 
         # An interrupt of the kernel ends the preview: said so, nothing left running.
         await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="")
@@ -180,7 +210,28 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         assert reply["user_expressions"]["v"]["data"]["text/plain"] == "False"
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
-    assert not any(p.info["cmdline"] == ["sleep", "301"] for p in psutil.process_iter(["cmdline"]))
+    assert not any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
+
+
+@pytest.mark.parametrize("preview_timeout", [50.0])
+@pytest.mark.parametrize("busy_wait", [0.0])
+async def test_a_superseded_preview_is_waited_for_however_long_it_takes_to_end(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    """The request that supersedes its client's running preview waits until that preview,
+    cancelled, has ended and its kernel is idle (moments, or seconds on a loaded machine: here
+    busy_wait gives a busy kernel no time at all), instead of answering "kernel busy"."""
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
+    try:
+        pid = await superseded_by_its_client(jp_fetch, jp_serverapp, kernel_id)
+        await wait_for(lambda: not preview_processes(pid), timeout=30)
+        # Another client's preview is not superseded by it: refused at once, as before.
+        other, pid = await refused_for_another_client(jp_fetch, jp_serverapp, kernel_id)
+        await jp_fetch("api", "kernels", kernel_id, "interrupt", method="POST", body="")
+        await other
+        await wait_for(lambda: not preview_processes(pid), timeout=30)
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
 
 async def test_a_cell_that_waits_for_input_says_so(jp_fetch, jp_serverapp, jp_root_dir, store_path):
@@ -264,9 +315,17 @@ async def test_preview_through_the_server(jp_fetch, jp_serverapp, jp_root_dir, s
         events = await predict(jp_fetch, kernel_id, "ys")
         assert "".join(d["text"] for n, d in events if n == "chunk") == "[5]\n", events
 
-        # Busy: a running cell is never queued behind.
+        # Busy: a running cell is never queued behind. (The cell runs until the test lets it
+        # end: a fixed time could run out first on a loaded machine.)
         kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-        sleep = run_cell(jp_serverapp, kernel_id, "import time; time.sleep(6)")
+        release = jp_root_dir / "release-the-cell"
+        sleep = run_cell(
+            jp_serverapp,
+            kernel_id,
+            "import os, time\n_end = time.monotonic() + 50\n"
+            f"while not os.path.exists({str(release)!r}) and time.monotonic() < _end:\n"
+            "    time.sleep(0.05)",
+        )
         sleeping = asyncio.create_task(sleep)
         await wait_for(lambda: kernel.execution_state == "busy")
         # The new client's kernel_info_request is busy for a moment too: outlast it.
@@ -275,6 +334,7 @@ async def test_preview_through_the_server(jp_fetch, jp_serverapp, jp_root_dir, s
         events = await predict(jp_fetch, kernel_id, "xs")
         assert [n for n, _ in events if n == "no_prediction"], events
         assert "kernel busy" in [d for n, d in events if n == "no_prediction"][0]["reason"]
+        release.touch()
 
         # The person's namespace is untouched by the previews.
         await sleeping

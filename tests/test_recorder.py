@@ -31,6 +31,8 @@ kernel = kernel_fixture("recorder", "--ThemistoRecorder.max_output_bytes=2000")
 
 def test_trajectory_metadata(kernel):
     kernel.run("pass")
+    # The writer thread creates the trajectory (package versions take a moment): let it.
+    kernel.settle()
     with kernel.store() as store:
         (traj,) = store.list_trajectories()
     assert traj["notebook_path"] == NOTEBOOK
@@ -161,14 +163,15 @@ def test_cpu_time_of_a_busy_cell(kernel):
 
 
 def test_interrupted_status(kernel):
-    msg_id = kernel.send("import time\ntime.sleep(60)", "sleepy")
-    # Wait until the cell is running (its execute_input was broadcast).
+    msg_id = kernel.send("import time\nprint('running', flush=True)\ntime.sleep(60)", "sleepy")
+    # Wait until the cell's own code runs (its execute_input comes before the recorder's hooks:
+    # an interrupt then could land before the cell started).
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        msg = kernel.kc.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+    while True:
+        msg = kernel.kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
             break
-    time.sleep(0.5)
+    time.sleep(0.5)  # what the wall time below must show
     kernel.km.interrupt_kernel()
     done = kernel.collect(msg_id)
     assert done.reply["status"] == "error"
@@ -208,8 +211,6 @@ def test_reader_in_another_process_during_writes(kernel):
                 import sys, time
                 from jupyter_themisto.store import TrajectoryStore
                 store = TrajectoryStore({str(kernel.store_path)!r}, readonly=True)
-                store.list_trajectories()
-                print("ready", flush=True)
                 seen, reads, end = [], 0, time.monotonic() + 120
                 while time.monotonic() < end:
                     (t,) = store.list_trajectories()
@@ -217,6 +218,8 @@ def test_reader_in_another_process_during_writes(kernel):
                     assert [r["order_index"] for r in rows] == list(range(len(rows)))
                     seen.append(len(rows))
                     reads += 1
+                    if reads == 1:
+                        print("ready", flush=True)  # (a read before any of the 25 cells)
                     if sys.stdin.closed or len(rows) >= int(sys.argv[1]):
                         break
                     time.sleep(0.005)
@@ -229,7 +232,7 @@ def test_reader_in_another_process_during_writes(kernel):
         stderr=subprocess.PIPE,
         text=True,
     )
-    # Cells only once the reader reads (its start-up may outlast 25 quick cells under load).
+    # Cells only once the reader has read (its start-up may outlast 25 quick cells under load).
     assert reader.stdout.readline() == "ready\n"
     for i in range(25):
         kernel.run(f"v{i} = {i}\nprint(v{i})")
@@ -297,7 +300,9 @@ def test_unwritable_store_never_breaks_cells(tmp_path):
         assert broken[0].outputs == [("stream", {"name": "stdout", "text": "hello\n"})]
         # Nothing of the recorder's trouble reached the person.
         assert not any("themisto" in json.dumps(c) for b in broken for _, c in b.outputs)
-        # The recorder did fail (and said so in the kernel's log, not in the cells).
+        # The recorder did fail (and said so in the kernel's log, not in the cells), once its
+        # writer has tried each of them.
+        k.settle()
         status = k.run("%themisto status").of("stream")[0]["text"]
         assert int(status.split("errors: ")[1].split()[0]) >= len(cells)
         # Kept, to be written as 'lost' executions once the store takes writes again.
@@ -362,6 +367,7 @@ def test_store_that_cannot_be_opened_at_load(tmp_path):
                 {"data": {"text/plain": "42"}, "metadata": {}, "execution_count": 1},
             ),
         ]
+        k.settle()  # the writer has tried (and failed) to record the cell
         status = k.run("%themisto status").of("stream")[0]["text"]
         assert "store: None" in status
         assert int(status.split("errors: ")[1].split()[0]) >= 1
@@ -393,6 +399,9 @@ def test_executions_while_the_store_is_locked_come_back_as_lost_rows(tmp_path):
         held = [k.run(f"print('held {i}')\nb{i} = {i}") for i in range(3)]
         # The person sees everything as usual.
         assert [h.of("stream")[0]["text"] for h in held] == [f"held {i}\n" for i in range(3)]
+        # Each held write waits store_busy_seconds before it counts as lost: more, under load,
+        # than the 2 s the status waits for the writer.
+        k.settle()
         status = k.run("%themisto status").of("stream")[0]["text"]
         assert int(status.split("lost_waiting: ")[1].split()[0]) >= 3
         blocker.execute("ROLLBACK")
@@ -476,3 +485,51 @@ def test_large_outputs_are_written_off_the_kernel_thread(tmp_path):
     with TrajectoryStore(tmp_path / "t.sqlite") as store:
         rows = store.list_executions("t1")
     assert [r["source"] for r in rows] == ["cell 0", "cell 1", "cell 2"] and not errors
+
+
+def test_wait_idle_returns_only_once_everything_handed_over_is_done(tmp_path):
+    """`settle()` (and every test that reads the store after it) trusts wait_idle: it may not
+    return while a job handed over is still queued, even one handed over just as the thread
+    finished the one before and was marking itself idle (a moment a loaded machine may pick:
+    here it is picked on purpose)."""
+    import threading
+
+    from jupyter_themisto.kernel.writer import RecordWriter
+
+    writer = RecordWriter(
+        lambda timeout: TrajectoryStore(tmp_path / "t.sqlite", timeout=timeout),
+        report=lambda what, e: None,
+    )
+    marking_idle, handed_over, done = threading.Event(), threading.Event(), threading.Event()
+
+    class Idle(threading.Event):
+        def set(self) -> None:
+            if threading.current_thread().name == "themisto-writer" and not marking_idle.is_set():
+                marking_idle.set()
+                handed_over.wait(2)  # (in vain if handing over waits for this thread)
+            super().set()
+
+    writer._idle = Idle()
+    writer._idle.set()
+
+    def slow_job(store) -> None:
+        time.sleep(0.3)  # long enough for a wrong "idle" to be seen before it is done
+        done.set()
+
+    result: list[bool] = []
+
+    def kernel_thread() -> None:
+        # Not the writer's owner thread: each job goes through the queue.
+        writer.submit(lambda store: None)
+        assert marking_idle.wait(30)
+        writer.submit(slow_job)
+        handed_over.set()
+        result.append(writer.wait_idle(30) and done.is_set())
+
+    try:
+        worker = threading.Thread(target=kernel_thread)
+        worker.start()
+        worker.join(60)
+    finally:
+        writer.close()
+    assert result == [True]

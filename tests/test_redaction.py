@@ -10,7 +10,7 @@ import pickle
 import stat
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jupyter_themisto.redaction import (
@@ -475,7 +475,14 @@ def test_texts_built_to_make_the_patterns_backtrack_are_scanned_in_linear_time(t
         assert isinstance(scrub(text), str)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+# (like the other property tests: generating examples on a loaded machine is not too slow)
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     before=st.text(max_size=200),
     after=st.text(max_size=200),

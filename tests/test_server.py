@@ -10,7 +10,7 @@ import logging
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from tests.helpers import body_of, error_of, parse_sse, post, server_config
+from tests.helpers import body_of, error_of, parse_sse, post, server_config, wait_for
 from tests.peers import Fault, OpenAIPeer
 
 PLANTED_KEY = "sk-planted-0123456789abcdef"
@@ -266,10 +266,7 @@ async def test_disconnect_cancels_backend(
         received += data
     assert b"200 OK" in received
     writer.close()
-    for _ in range(100):
-        if manager.cancelled and peer.disconnects:
-            break
-        await asyncio.sleep(0.05)
+    await wait_for(lambda: manager.cancelled and peer.disconnects)
     assert manager.cancelled == 1
     # The model server saw its client go away: generation stopped upstream too.
     assert peer.disconnects
@@ -281,10 +278,7 @@ async def test_newer_request_supersedes_older(jp_fetch, jp_serverapp, store, pee
     peer.fail(Fault.hang(1.5))
     body = {"trajectory_id": tid, "backend": "openai", "client_id": "tab-1"}
     older = asyncio.ensure_future(post(jp_fetch, "next-cell", body))
-    for _ in range(100):
-        if peer.requests:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: peer.requests)  # the older one is at the model server
     newer = await post(jp_fetch, "next-cell", body)
     assert parse_sse(newer.body.decode())[-1][0] == "done"
     code, msg = await error_of(older)
@@ -292,10 +286,7 @@ async def test_newer_request_supersedes_older(jp_fetch, jp_serverapp, store, pee
     assert manager.superseded == 1
     # The model server saw the superseded request's connection go (its answer, once it came,
     # had nobody to go to): upstream work is not left running.
-    for _ in range(100):
-        if peer.disconnects:
-            break
-        await asyncio.sleep(0.05)
+    await wait_for(lambda: peer.disconnects)
     assert peer.disconnects == ["/v1/chat/completions"]
 
 

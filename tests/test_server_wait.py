@@ -275,17 +275,18 @@ async def test_a_slow_store_delays_its_request_only(jp_fetch, jp_serverapp, stor
     """Store calls run in the manager's store threads: while one is stuck in the store (here a
     store whose listing waits, as one on a slow or busy disk does), the server answers others."""
     manager = jp_serverapp.web_app.settings["themisto_manager"]
-    released = threading.Event()
+    entered, released = threading.Event(), threading.Event()
     listing = manager.store.list_trajectories
 
     def slow_listing(**kwargs: Any) -> list[dict[str, Any]]:
-        released.wait(30)  # on the event loop this would hold the whole server for 30 s
+        entered.set()
+        released.wait(120)  # on the event loop this would hold the whole server
         return listing(**kwargs)
 
     manager.store.list_trajectories = slow_listing
     try:
         slow = asyncio.ensure_future(jp_fetch("themisto", "trajectories"))
-        await asyncio.sleep(0.2)
+        await wait_for(entered.is_set)  # the request is stuck in the store now
         status = await jp_fetch("api", "status")
         assert json.loads(status.body)["kernels"] == 0
         trajectory = await jp_fetch("themisto", "trajectories", "no-such-id", raise_error=False)

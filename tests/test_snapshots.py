@@ -209,17 +209,24 @@ def test_child_bound_skips_then_waits_when_configured(tmp_path):
         tmp_path / "bound.sqlite",
         ["--ThemistoRecorder.max_snapshot_children=1", "--ThemistoRecorder.snapshot_delay=0"],
     )
+    # The first child serializes until the test lets it (a loaded machine may take longer than
+    # any fixed time between two replies), then 1.5 s more.
+    go = tmp_path / "go"
     try:
         slow = k.run(
-            "import time\n"
+            "import os, time\n"
             "class Slow:\n"
             "    def __reduce__(self):\n"
+            "        end = time.monotonic() + 120\n"
+            f"        while not os.path.exists({str(go)!r}) and time.monotonic() < end:\n"
+            "            time.sleep(0.01)\n"
             "        time.sleep(1.5)\n"
             "        return (Slow, ())\n"
             "s = Slow()"
         )
         quick = k.run("a = 1")
         row = k.wait_snapshot(quick.msg_id)
+        go.touch()
         assert row["snapshot_status"] == "skipped"
         with k.store() as store:
             assert "max_snapshot_children=1" in store.get_snapshot(row["id"])["detail"]
@@ -230,6 +237,7 @@ def test_child_bound_skips_then_waits_when_configured(tmp_path):
         for done in waited:
             assert k.wait_snapshot(done.msg_id)["snapshot_status"] == "ok"
     finally:
+        go.touch()
         k.shutdown()
 
 
@@ -246,13 +254,20 @@ def _recorder_value(k, expr):
 
 
 def test_cells_sent_at_once_share_one_snapshot(kernel):
-    kernel.run("ready = 1")
-    kernel.settle()
-    # As "Run All" does: every request is queued before the first reply.
-    ids = [kernel.send(f"batch_{i} = {i}") for i in range(6)]
-    for msg_id in ids:
-        kernel.collect(msg_id)
-    rows = [kernel.wait_snapshot(msg_id) for msg_id in ids]
+    # The kernel waits 50 ms after a reply before it snapshots; a loaded machine can take
+    # longer than that between two queued requests (in the client, or in the kernel before it
+    # reads the next one): given longer, a snapshot still due always gives way to the next cell.
+    kernel.run("%config ThemistoRecorder.snapshot_delay = 30.0")
+    try:
+        kernel.run("ready = 1")
+        kernel.settle()
+        # As "Run All" does: every request is queued before the first reply.
+        ids = [kernel.send(f"batch_{i} = {i}") for i in range(6)]
+        for msg_id in ids:
+            kernel.collect(msg_id)
+        rows = [kernel.wait_snapshot(msg_id) for msg_id in ids]
+    finally:
+        kernel.run("%config ThemistoRecorder.snapshot_delay = 0.05")
     statuses = [r["snapshot_status"] for r in rows]
     # The last one is snapshotted; the others (all but perhaps the first, if its reply found
     # the kernel idle) gave way to it.

@@ -133,18 +133,22 @@ def open_notebook(page: Page, lab: JupyterLab, name: str, *, recorded: bool = Tr
     expect(page.locator(".jp-NotebookPanel .jp-Cell").first).to_be_visible(timeout=60_000)
     deadline = time.monotonic() + 90
     kernel_id = None
+    recorded_kernels: list[str] = []
     while time.monotonic() < deadline:
         kernel_id = lab.kernel_id(name)
         if kernel_id and not recorded:
             break
-        if kernel_id and any(
-            t["kernel_id"] == kernel_id
-            for t in TrajectoryStore(lab.store_path).list_trajectories(limit=100)
-        ):
-            break
+        if kernel_id:
+            trajectories = TrajectoryStore(lab.store_path).list_trajectories(limit=100)
+            recorded_kernels = [t["kernel_id"] for t in trajectories]
+            if kernel_id in recorded_kernels:
+                break
         time.sleep(0.3)
     else:
-        raise AssertionError(f"no recorded kernel for {name}:\n{lab.log()}")
+        raise AssertionError(
+            f"no recorded kernel for {name} (its kernel: {kernel_id}; the newest recorded "
+            f"kernels: {recorded_kernels[:5]}):\n{lab.log()}"
+        )
     expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
         1, timeout=60_000
     )

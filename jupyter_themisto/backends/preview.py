@@ -32,6 +32,9 @@ from .base import (
 )
 from .settings import BackendSettings, problems
 
+# How long a cancelled preview is told to stop before it is left to its kernel (seconds).
+_CANCEL_SECONDS = 10.0
+
 
 class PreviewSettings(BackendSettings):
     timeout: float = Field(
@@ -107,6 +110,9 @@ class PreviewPredictor(Predictor):
         super().__init__(config, env)
         self._fallback: Predictor | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        # Kernels whose preview is being cancelled (its request went): the kernel is busy with
+        # it for a moment more, which a request that superseded it waits out.
+        self._ending: set[str] = set()
         #: what the last preview reported (for the host's logs and for tests)
         self.last_reply: dict[str, Any] | None = None
         #: how many previews were cancelled in the kernel (their request was)
@@ -171,12 +177,12 @@ class PreviewPredictor(Predictor):
 
         return cancel_preview(token)
 
-    async def _idle_state(self, kernel: Any) -> str:
-        """The kernel's execution state, given `busy_wait` to become idle. The server learns
-        the state from the kernel's status messages, which arrive after the replies they
-        follow: right after a preview (or a cell) has answered, the state still says "busy"
-        for a moment although the kernel is idle."""
-        deadline = time.monotonic() + self.settings.busy_wait
+    async def _idle_state(self, kernel: Any, wait: float | None = None) -> str:
+        """The kernel's execution state, given `busy_wait` (or `wait`) seconds to become idle.
+        The server learns the state from the kernel's status messages, which arrive after the
+        replies they follow: right after a preview (or a cell) has answered, the state still
+        says "busy" for a moment although the kernel is idle."""
+        deadline = time.monotonic() + (self.settings.busy_wait if wait is None else wait)
         while True:
             state = getattr(kernel, "execution_state", "idle")
             if state == "idle" or time.monotonic() >= deadline:
@@ -187,16 +193,22 @@ class PreviewPredictor(Predictor):
         """The kernel's preview reply for `source` (see kernel/preview.py for its fields)."""
         kernel = self._kernel(kernel_id)
         state = await self._idle_state(kernel)
-        if state != "idle":
+        # A preview of ours being cancelled (superseded by this one) keeps the kernel busy
+        # until it has answered, within the cancel's own bound (below): waited for, however
+        # long a loaded machine takes, rather than refused after busy_wait.
+        ending = kernel_id in self._ending
+        if state != "idle" and not ending:
             # Never queue behind the person's running cell.
             raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
         try:
-            # A preview being cancelled (superseded by this one) ends within moments.
-            await asyncio.wait_for(lock.acquire(), max(self.settings.busy_wait, 0.1))
+            wait = _CANCEL_SECONDS + 5 if ending else max(self.settings.busy_wait, 0.1)
+            await asyncio.wait_for(lock.acquire(), wait)
         except TimeoutError:
             raise NoPrediction("kernel busy: another preview is running") from None
         try:
+            if ending and (state := await self._idle_state(kernel, _CANCEL_SECONDS)) != "idle":
+                raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
             token = secrets.token_hex(16)
             expr = (
                 "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
@@ -230,8 +242,9 @@ class PreviewPredictor(Predictor):
                 # answers at once; the lock is held until it has (the kernel is idle again).
                 # (Sent again until then: the kernel may not have started the preview yet. Still
                 # nothing listening after a second: the kernel restarted or went away.)
+                self._ending.add(kernel_id)
                 began = time.monotonic()
-                while not work.done() and time.monotonic() < began + 10:
+                while not work.done() and time.monotonic() < began + _CANCEL_SECONDS:
                     if not self._cancel(token) and time.monotonic() > began + 1:
                         break
                     with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -240,6 +253,7 @@ class PreviewPredictor(Predictor):
                 self.cancelled += 1
                 raise
         finally:
+            self._ending.discard(kernel_id)
             lock.release()
         content = msg["content"]
         if content.get("status") != "ok":

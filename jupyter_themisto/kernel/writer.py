@@ -88,6 +88,10 @@ class RecordWriter:
         self.write_seconds: deque[float] = deque(maxlen=100_000)
         self._idle = threading.Event()
         self._idle.set()
+        # Items handed over and not done yet: idle is set only when this is back to 0 (a bare
+        # queue.empty() check on the thread could set it just as the kernel queued another).
+        self._unfinished = 0
+        self._count_lock = threading.Lock()
         self._direct_threads: set[int] = set()
         self._owner = threading.get_ident()
         self._thread = threading.Thread(target=self._run, name="themisto-writer", daemon=True)
@@ -127,13 +131,11 @@ class RecordWriter:
                 return
             except Exception:
                 pass  # the thread tries again (jobs are idempotent)
-        self._idle.clear()
-        self._queue.put((kind, job))
+        self._enqueue((kind, job))
 
     def create_trajectory(self, trajectory_id: str, fields: Callable[[], dict[str, Any]]) -> None:
         self._trajectories[trajectory_id] = fields
-        self._idle.clear()
-        self._queue.put(("trajectory", None))
+        self._enqueue(("trajectory", None))
 
     def add_execution(
         self,
@@ -159,8 +161,13 @@ class RecordWriter:
                 return
             except Exception:
                 pass  # locked, full, broken...: the thread retries, or keeps it as lost
-        self._idle.clear()
-        self._queue.put(("execution", (trajectory_id, order_index, prepare, fallback)))
+        self._enqueue(("execution", (trajectory_id, order_index, prepare, fallback)))
+
+    def _enqueue(self, item: tuple[str, Any]) -> None:
+        with self._count_lock:
+            self._unfinished += 1
+            self._idle.clear()
+        self._queue.put(item)
 
     def wait_idle(self, timeout: float) -> bool:
         """Until everything handed over so far is written (or kept as lost)."""
@@ -205,8 +212,10 @@ class RecordWriter:
                 self.failures += 1
                 self._report("a recorder write failed", e)
             finally:
-                if self._queue.empty():
-                    self._idle.set()
+                with self._count_lock:
+                    self._unfinished -= 1
+                    if self._unfinished == 0:
+                        self._idle.set()
 
     def _store(self) -> Any:
         """The open store with every pending trajectory created, or None."""
