@@ -223,12 +223,24 @@ def store_parts(path: Path) -> dict[str, int]:
             parts["db executions: outputs"] = share(outs)
             parts["db executions: other columns"] = pages - share(text) - share(outs)
         if "blobs" in tables:
-            pages, payload = tables["blobs"]
+            # Each row's share of the table: its data, its hash (the key, stored in the row and
+            # again in the key's index) and a row's few bytes of header.
+            pages, _ = tables["blobs"]
             var_sql = "(SELECT blob_hash FROM variables)"
-            var = one(f"SELECT sum(length(data)) FROM blobs WHERE hash IN {var_sql}")
-            share = round(pages * var / payload) if payload else 0
+            row = "length(data) + length(hash) + 16"
+            var = one(f"SELECT sum({row}) FROM blobs WHERE hash IN {var_sql}")
+            total = one(f"SELECT sum({row}) FROM blobs")
+            share = round(pages * var / total) if total else 0
             parts["db blobs: variables"] = share
             parts["db blobs: outputs"] = pages - share
+            index = "db sqlite_autoindex_blobs_1"
+            if index in parts:
+                n_var = one(f"SELECT count(*) FROM blobs WHERE hash IN {var_sql}")
+                n_all = one("SELECT count(*) FROM blobs")
+                ipages = parts.pop(index)
+                ishare = round(ipages * n_var / n_all) if n_all else 0
+                parts["db blobs' key index: variables"] = ishare
+                parts["db blobs' key index: outputs"] = ipages - ishare
         accounted = sum(v for k, v in parts.items() if k.startswith("db "))
         parts["db header and pointer-map pages"] = parts.get("file db", 0) - accounted
     finally:
@@ -245,12 +257,17 @@ def storage_breakdown(parts: dict[str, int]) -> dict[str, int]:
         "snapshot_bytes": sum(
             v
             for k, v in parts.items()
-            if k == "db blobs: variables"
+            if k in ("db blobs: variables", "db blobs' key index: variables")
             or (k.startswith("db ") and any(t in k for t in snapshot_tables))
         ),
         "output_bytes": sum(
             parts.get(k, 0)
-            for k in ("db executions: sources", "db executions: outputs", "db blobs: outputs")
+            for k in (
+                "db executions: sources",
+                "db executions: outputs",
+                "db blobs: outputs",
+                "db blobs' key index: outputs",
+            )
         ),
     }
 

@@ -604,6 +604,10 @@ class KernelSecrets:
         self.matcher: DigestMatcher | None = None
         self._digest_count = -1
         self._environ: dict[Any, Any] = {}
+        # The namespace's names at the last observe, and which of them the pattern matched
+        # (most cells bind no new name: 900 after `from sympy import *` are not searched again).
+        self._names_seen: tuple[str | None, str] = (None, "")
+        self._secret_names: set[str] = set()
         #: how many bytes of each output are scanned (the recorder cuts the rest)
         self.output_limit: int | None = None
         # hash() of the texts scrub_output returned since the last scrub_json, and the
@@ -649,7 +653,11 @@ class KernelSecrets:
         source (literals and credential-shaped strings)."""
         regex = compile_pattern(self.pattern)
         names = [n for n in namespace if isinstance(n, str) and not n.startswith("_")]
-        for name in _secret_lines("\n".join(names), self.pattern, regex):
+        text = "\n".join(names)
+        if self._names_seen != (self.pattern, text):
+            self._secret_names = _secret_lines(text, self.pattern, regex)
+            self._names_seen = (self.pattern, text)
+        for name in self._secret_names:
             value = namespace.get(name)
             if isinstance(value, (str, bytes)):
                 self.learn(value)

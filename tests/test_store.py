@@ -339,3 +339,43 @@ def test_pauses_and_resumes_are_noted_on_the_trajectory(store):
     t = store.get_trajectory(tid)
     assert t["paused_at"] is not None and t["paused_after"] is None
     assert t["unrecorded_through"] == 9
+
+
+def test_a_store_file_replaced_or_overwritten_is_not_intact_and_checking_keeps_locks(tmp_path):
+    """intact() tells a store's file overwritten, replaced or deleted under an open store; and
+    checking it keeps the store working beside other processes (it never closes a descriptor
+    of the file: that would drop SQLite's POSIX locks, whose loss lost a kernel's rows here)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.sqlite"
+    store = TrajectoryStore(path)
+    tid = store.create_trajectory()
+    for _ in range(3):
+        assert store.intact()
+    visit = "import sqlite3, sys\nsqlite3.connect(sys.argv[1]).execute('SELECT 1').fetchall()\n"
+    subprocess.run([sys.executable, "-c", visit, str(path)], check=True, timeout=60)
+    store.add_execution(tid, {"source": "after the visit", "status": "ok"})
+    count = (
+        "import sqlite3, sys\n"
+        "print(sqlite3.connect(sys.argv[1]).execute('SELECT count(*) FROM executions')"
+        ".fetchone()[0])\n"
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", count, str(path)], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert seen.strip() == "1", seen
+    # Replaced by another database (same name, another file).
+    other = tmp_path / "other.sqlite"
+    TrajectoryStore(other).close()
+    os.replace(other, path)
+    assert not store.intact()
+    # Overwritten in place / deleted.
+    second = TrajectoryStore(tmp_path / "t.sqlite")
+    assert second.intact()
+    with open(tmp_path / "t.sqlite", "r+b") as f:
+        f.write(b"not a database!!")
+    assert not second.intact()
+    third = TrajectoryStore(tmp_path / "u.sqlite")
+    (tmp_path / "u.sqlite").unlink()
+    assert not third.intact()

@@ -31,6 +31,8 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+from ..references import library_reference
+
 # Builtins that never change their arguments (called on a name the person has not rebound).
 PURE_BUILTINS = frozenset(
     """abs all any ascii bin bool bytes callable chr complex dict dir divmod enumerate float
@@ -111,7 +113,11 @@ def _pure_call(call: ast.Call, user_ns: dict[str, Any]) -> bool:
         return (
             bound is _MISSING
             or bound is getattr(builtins, func.id, _MISSING)
-            or (func.id == "display" and getattr(bound, "__module__", "").startswith("IPython"))
+            or (
+                func.id == "display"
+                and type(bound) is types.FunctionType
+                and str(bound.__module__).startswith("IPython")
+            )
         )
     if isinstance(func, ast.Attribute):
         return func.attr in PURE_ATTRIBUTES
@@ -122,10 +128,17 @@ _MISSING = object()
 
 
 def _user_callable(value: Any) -> bool:
-    if value is None or isinstance(value, types.ModuleType):
+    # By type(value) only: isinstance() could ask a metaclass of theirs (its __class__).
+    t = type(value)
+    if value is None or issubclass(t, types.ModuleType):
         return False
-    if isinstance(value, (types.FunctionType, types.MethodType, type)):
-        return getattr(value, "__module__", None) in ("__main__", None)
+    if t is types.FunctionType:
+        return value.__module__ in ("__main__", None)
+    if t is types.MethodType:
+        func = value.__func__
+        return type(func) is not types.FunctionType or func.__module__ in ("__main__", None)
+    if issubclass(t, type):
+        return library_reference(value) is None
     return False
 
 
@@ -138,21 +151,15 @@ def _library_callable(func: ast.expr, user_ns: dict[str, Any]) -> bool:
     or setattr, not IPython's shell): a name bound to one, or an attribute path from a module
     (`np.linalg.norm`)."""
     target = _named_value(func, user_ns)
-    if target is _MISSING or isinstance(target, types.ModuleType):
+    if target is _MISSING:
         return False
-    if not isinstance(
-        target,
-        (types.FunctionType, types.BuiltinFunctionType, type, types.BuiltinMethodType),
-    ) and type(target).__name__ not in ("ufunc", "_ArrayFunctionDispatcher"):
+    # Identical to its library module's attribute, looked at without running code of theirs
+    # (references.py); bound methods of objects never are.
+    ref = library_reference(target)
+    if ref is None:
         return False
-    if isinstance(target, types.BuiltinMethodType) and not isinstance(
-        getattr(target, "__self__", None), types.ModuleType
-    ):
-        return False  # a bound method of some object (list.append of theirs, the shell's...)
-    module = getattr(target, "__module__", None) or ""
-    return module not in ("__main__", "builtins", "") and not module.startswith(
-        ("IPython", "ipykernel")
-    )
+    module = ref["ref"].partition(":")[0]
+    return module != "builtins" and not module.startswith(("IPython", "ipykernel"))
 
 
 def _named_value(expr: ast.expr, user_ns: dict[str, Any]) -> Any:
@@ -168,9 +175,11 @@ def _named_value(expr: ast.expr, user_ns: dict[str, Any]) -> Any:
         return _MISSING
     target = user_ns.get(expr.id, _MISSING)
     for name in reversed(path):
-        if not isinstance(target, types.ModuleType):
+        if not issubclass(type(target), types.ModuleType):
             return _MISSING  # a module's attribute of an attribute: an object's
-        target = getattr(target, name, _MISSING)
+        # From its namespace: no module __getattr__ (of theirs, or a lazy import) runs.
+        namespace = target.__dict__
+        target = namespace.get(name, _MISSING) if isinstance(namespace, dict) else _MISSING
     return target
 
 
@@ -181,8 +190,8 @@ def _fresh(expr: ast.expr, user_ns: dict[str, Any]) -> bool:
             return False
         if isinstance(node, ast.Call) and not _pure_call(node, user_ns):
             return False
-        if isinstance(node, ast.Attribute) and isinstance(
-            _named_value(node.value, user_ns), types.ModuleType
+        if isinstance(node, ast.Attribute) and issubclass(
+            type(_named_value(node.value, user_ns)), types.ModuleType
         ):
             # A module's attribute (`mod.data`): a value held there may be the person's too.
             if not _harmless(_named_value(node, user_ns), node, user_ns):
@@ -196,8 +205,8 @@ def _fresh(expr: ast.expr, user_ns: dict[str, Any]) -> bool:
 
 def _harmless(value: Any, node: ast.expr, user_ns: dict[str, Any]) -> bool:
     """A value a callee cannot change (or a builtin, a comprehension's own name: _MISSING)."""
-    if value is _MISSING or isinstance(value, (types.ModuleType, *_IMMUTABLE)):
+    if value is _MISSING or issubclass(type(value), (types.ModuleType, *_IMMUTABLE)):
         return True
-    if isinstance(value, (tuple, frozenset)):
-        return all(isinstance(v, _IMMUTABLE) for v in value)
+    if issubclass(type(value), (tuple, frozenset)):
+        return all(issubclass(type(v), _IMMUTABLE) for v in value)
     return not _user_callable(value) and _library_callable(node, user_ns)

@@ -26,6 +26,7 @@ import threading
 import types
 from typing import Any
 
+from ..references import inspectable, library_class, library_reference
 from .variables import estimated_size
 
 
@@ -39,6 +40,11 @@ class TooLarge(Exception):
 
 class TooSlow(Exception):
     pass
+
+
+class NotInKernel(Exception):
+    """The kernel must not take this snapshot itself (a child will): something in the value
+    is of a class of the person's, or it is too large or too slow for the kernel's budget."""
 
 
 def _refused_types() -> tuple[tuple[type, str], ...]:
@@ -80,9 +86,10 @@ def refusal(obj: Any, *, top_level: bool = True) -> str | None:
     if module.startswith("matplotlib") and "matplotlib" in sys.modules:
         try:
             from matplotlib.artist import Artist
+            from matplotlib.container import Container
             from matplotlib.figure import FigureBase
 
-            if isinstance(obj, (Artist, FigureBase)):
+            if isinstance(obj, (Artist, FigureBase, Container)):
                 return "matplotlib object (summarized: its pickle differs every time)"
         except Exception:
             pass
@@ -132,20 +139,50 @@ class _BoundedSink:
         return b"".join(self.parts)
 
 
-def serialize(value: Any, *, max_bytes: int) -> tuple[bytes, str]:
+class _KernelPickler(_GuardedPickler):
+    """What the kernel pickles itself (strict): only builtin and library objects, and plain
+    instances of the person's classes (object's own reduction): no code of theirs runs."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        result = super().reducer_override(obj)
+        if not kernel_may_pickle(obj):
+            raise NotInKernel(type(obj).__qualname__)
+        return result
+
+
+_CYTHON_TYPES = frozenset({"cython_function_or_method", "fused_cython_function"})
+
+
+def kernel_may_pickle(obj: Any) -> bool:
+    """An object the kernel may pickle itself: of a builtin or C type, a library's class, or a
+    plain class of the person's (see small_value)."""
+    t = type(obj)
+    if not t.__flags__ & (1 << 9) or t.__name__ in _CYTHON_TYPES:
+        return True  # not a heap type, or Cython's own (pandas' functions): C code
+    return inspectable(obj) and (
+        library_class(t) or (t.__module__ == "__main__" and _plain_class(t))
+    )
+
+
+def serialize(value: Any, *, max_bytes: int, strict: bool = False) -> tuple[bytes, str]:
     """Bytes of `value` and the codec used ('pickle' or 'dill').
 
     Raises Refused, TooLarge, TooSlow, or the serializer's own error when both refuse.
+    `strict` (the kernel's own snapshot): NotInKernel for anything of the person's that is not
+    plain, and never dill.
     """
     sink = _BoundedSink(max_bytes)
     try:
-        _GuardedPickler(sink, protocol=5).dump(value)
+        (_KernelPickler if strict else _GuardedPickler)(sink, protocol=5).dump(value)
         return sink.getvalue(), "pickle"
-    except (Refused, TooLarge, TooSlow):
+    except NotInKernel:
         raise
-    except RecursionError:
-        raise
-    except Exception as first:
+    except Exception as e:
+        if strict and not isinstance(e, (Refused, TooLarge, TooSlow, RecursionError)):
+            raise NotInKernel(f"{type(e).__name__}: {e}") from e
+        if isinstance(e, (Refused, TooLarge, TooSlow, RecursionError)):
+            raise
+        first = e
         try:
             dill_pickler = _dill_pickler()
         except ImportError:
@@ -208,6 +245,10 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     t = type(value)
     if value is None or t in (bool, int, float, complex):
         return True
+    if library_reference(value) is not None:
+        return True  # a reference to a library's function or class (references.py)
+    if not inspectable(value):
+        return False  # even an isinstance() could run a metaclass's or class's code of theirs
     if t in (str, bytes, bytearray):
         return len(value) <= _SMALL_BYTES
     if t in (list, tuple, set, frozenset, dict):
@@ -225,6 +266,11 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     if module.startswith("numpy"):
         size = estimated_size(value)
         dtype = getattr(value, "dtype", None)
+        if t.__name__ == "ndarray" and getattr(dtype, "hasobject", False):
+            # An array of objects (plt.subplots' axes): small if each item is.
+            return value.size + seen[0] <= _SMALL_LEN and all(
+                small_value(v, seen, depth + 1) for v in value.flat
+            )
         return size is not None and size <= _SMALL_BYTES and not getattr(dtype, "hasobject", True)
     if depth > 0:
         return False
@@ -239,11 +285,14 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     if t is type:
         return _plain_class(value)
     # An instance of a class of the person's own, holding small values, pickled and shown the
-    # plain way.
+    # plain way; or of a library's plain class (`from __future__ import division` binds one),
+    # whose own __repr__ is the library's code.
     attrs = getattr(value, "__dict__", None)
     return (
-        module == "__main__"
-        and _plain_class(t)
+        (
+            (module == "__main__" and _plain_class(t))
+            or (library_class(t) and _plain_class(t, library_repr=True))
+        )
         and isinstance(attrs, dict)
         and all(small_value(v, seen, depth + 1) for v in attrs.values())
     )
@@ -263,19 +312,20 @@ def _plain_values(values: Any, pd: Any) -> bool:
     return kind in _PLAIN_KINDS
 
 
-def _plain_class(t: type) -> bool:
-    """A class whose instances pickle, show and look attributes up as `object` does."""
+def _plain_class(t: type, *, library_repr: bool = False) -> bool:
+    """A class whose instances pickle, show and look attributes up as `object` does (shown by
+    a __repr__ of its own if `library_repr`: a library class's)."""
     return (
-        t.__reduce_ex__ is object.__reduce_ex__
+        type(t) is type  # no metaclass (its attribute lookup could run anything): first
+        and t.__reduce_ex__ is object.__reduce_ex__
         and t.__reduce__ is object.__reduce__
         and getattr(t, "__getstate__", None) is getattr(object, "__getstate__", None)
-        and t.__repr__ is object.__repr__
+        and (library_repr or t.__repr__ is object.__repr__)
         and t.__getattribute__ is object.__getattribute__
         and not any(
             hasattr(t, name)
             for name in ("__getattr__", "__getnewargs_ex__", "__getnewargs__", "__setstate__")
         )
-        and type(t) is type  # no metaclass of theirs
     )
 
 

@@ -81,12 +81,20 @@ class ThemistoRecorder(LoggingConfigurable):
         300.0, help="Seconds a snapshot child may run before it is killed (status failed)."
     ).tag(config=True)
     small_snapshot_seconds = Float(
-        0.003,
+        0.01,
         help="In fork mode, a snapshot whose changed variables are small (scalars, short "
-        "strings, small containers, arrays and frames under 1 MB) is taken by the kernel "
-        "itself, while idle, if it fits in this many seconds: no child process, and the next "
-        "cell pays no copy-on-write page faults; larger ones, or one past this time, are forked "
-        "(0: always fork).",
+        "strings, small containers, arrays and frames under 1 MB, functions and classes of "
+        "installed libraries) is taken by the kernel itself, while idle, if it fits in this "
+        "many seconds: no child process, and the next cell pays no copy-on-write page faults "
+        "(after a fork, 5-20 ms in the next cell of a kernel holding pandas or sklearn); larger "
+        "ones, or one past this time, are forked (0: always fork).",
+    ).tag(config=True)
+    prefault_after_snapshot = Bool(
+        True,
+        help="Linux: once the last snapshot child has exited, make the kernel's pages writable "
+        "again in a background thread (madvise MADV_POPULATE_WRITE on the pages present), so "
+        "that the next cells do not pay a copy-on-write fault per page they write (False: "
+        "they do).",
     ).tag(config=True)
     max_snapshot_children = Int(
         3,
@@ -236,6 +244,7 @@ class ThemistoRecorder(LoggingConfigurable):
         self._install_deferral()
         atexit.register(self._at_exit)
         self._registered = True
+        _warm_up()
         if self.enabled:
             self._ensure_trajectory()
 
@@ -614,6 +623,20 @@ def _large(raw_outputs: list[dict[str, Any]]) -> bool:
         if total > _DIRECT_OUTPUT_BYTES:
             return True
     return False
+
+
+def _warm_up() -> None:
+    """What the first snapshot needs, loaded as the kernel starts, not in a cell's time (about
+    20 ms: xxhash, the change analysis, where the installed libraries live)."""
+    try:
+        import xxhash  # noqa: F401
+
+        from ..references import library_reference
+        from . import changes  # noqa: F401
+
+        library_reference(len)
+    except Exception:
+        pass
 
 
 def notebook_path() -> str | None:

@@ -13,7 +13,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .pickling import small_value
+from ..references import inspectable, library_class, library_reference
+from .pickling import NotInKernel, TooSlow, small_value, time_limit
 from .snapshot_writer import snapshot_status
 from .variables import remembered
 
@@ -41,8 +42,8 @@ class SmallSnapshots:
         r = m.recorder
         budget = r.small_snapshot_seconds
         started = time.perf_counter()
-        # Called with no child running (the earlier snapshots' rows, which an unchanged variable
-        # reuses, are written); the execution's row must be written too (the writer idle).
+        # The earlier snapshot's rows, which an unchanged variable reuses, must be written (one
+        # a child still writes: give up), and the execution's row too (the writer idle).
         if r.writer is None:
             return False
         r.writer.wait_idle(budget)
@@ -68,8 +69,20 @@ class SmallSnapshots:
         if execution_id is None:
             return False
         reuse = {n for n in same if n in previous}
+        # Library objects still bound to the same name as last time (`from sympy import *`: 900
+        # of them): their records again, without a look at each (references.py).
+        for name, value in variables:
+            prev = previous.get(name)
+            if name not in reuse and prev is not None and not recheck:
+                ref = (prev.get("summary") or {}).get("ref")
+                if ref is not None and prev["summary"] == library_reference(value):
+                    reuse.add(name)
         if not all(
-            small_value(v) or remembered(v, previous.get(n), recheck)
+            small_value(v)
+            or (
+                inspectable(v)
+                and (remembered(v, previous.get(n), recheck) or library_class(type(v)))
+            )
             for n, v in variables
             if n not in reuse
         ):
@@ -83,16 +96,26 @@ class SmallSnapshots:
             blobs[digest] = bytes(data)
             return digest
 
-        writer = m.snapshot_writer(store, put_blob=collect)
+        # Instances of a library's classes (a sympy matrix, a fitted estimator) are serialized
+        # strictly: anything of the person's in them (but plain instances), more than 4 MB, or
+        # past the budget (SIGALRM) leaves them to a child.
+        writer = m.snapshot_writer(store, put_blob=collect, strict=True)
         records = []
-        for name, value in variables:
-            if name in reuse:
-                records.append({**previous[name], "changed": False})
-            else:
-                records.append(writer.record(name, value, previous.get(name)))
-            if time.perf_counter() - started > budget:
-                m.count("small_over_budget")
-                return False
+        try:
+            with time_limit(max(budget - (time.perf_counter() - started), 1e-4)):
+                for name, value in variables:
+                    if name in reuse:
+                        records.append({**previous[name], "changed": False})
+                    else:
+                        records.append(writer.record(name, value, previous.get(name)))
+                    if time.perf_counter() - started > budget:
+                        raise TooSlow()
+        except TooSlow:
+            m.count("small_over_budget")
+            return False
+        except NotInKernel:
+            m.count("small_gave_way")
+            return False
         status = snapshot_status(records)
         duration = time.perf_counter() - started
 

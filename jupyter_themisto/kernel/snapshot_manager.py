@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .prefault import prefault
 from .small_snapshot import SmallSnapshots
 from .snapshot_child import SnapshotChild, failure_reason, run_child, wait_child
 from .snapshot_writer import SnapshotWriter
@@ -161,7 +162,9 @@ class SnapshotManager:
         current = {name: id(value) for name, value in variables}
         generation = self._secrets_generation()
         inline = r.snapshot_mode == "inline" or self.exiting or not hasattr(os, "fork")
-        try_small = not inline and r.small_snapshot_seconds > 0 and not self.children
+        # (With a child still running too: a base snapshot it has not written yet makes the
+        # small one give up, see SmallSnapshots.take.)
+        try_small = not inline and r.small_snapshot_seconds > 0
         # Names bound to the same objects as at the last snapshot, no cell run since able to
         # change an object in place: those variables are as the last snapshot holds them.
         same: set[str] = set()
@@ -273,7 +276,7 @@ class SnapshotManager:
         return True
 
     def snapshot_writer(
-        self, store: Any, put_blob: Callable[[bytes], str] | None = None
+        self, store: Any, put_blob: Callable[[bytes], str] | None = None, *, strict: bool = False
     ) -> SnapshotWriter:
         r = self.recorder
         return SnapshotWriter(
@@ -286,6 +289,7 @@ class SnapshotManager:
             secrets=getattr(r, "secrets", None),
             recheck=self._secrets_generation() != self.secrets_generation,
             put_blob=put_blob,
+            strict=strict,
         )
 
     def _write_status(
@@ -329,6 +333,14 @@ class SnapshotManager:
                 self.children.pop(child.pid, None)
         if reason is not None:
             self._write_status(child.order_index, "failed", reason)
+        if not self.children and not self.exiting and self.recorder.prefault_after_snapshot:
+            # The last child gone: the pages it shared are the kernel's alone again; make them
+            # writable now, not by faults in the next cells (prefault.py).
+            try:
+                if prefault(lambda: bool(self.children) or self.exiting):
+                    self.count("prefaulted")
+            except Exception as e:
+                self.recorder._report("making pages writable after a snapshot failed", e)
 
     def reap(self) -> None:
         """Children are reaped by their watcher threads; this only gives gc back its

@@ -6,6 +6,9 @@ Per variable, in this order:
    a value, serialized bytes or summary holding a value known secret (jupyter_themisto.
    redaction.KernelSecrets: `x = api_key`, a list or DataFrame holding it)
    -> stub with the type only (no value, repr, fingerprint);
+1b. a function or class of an installed library, identical to its module's attribute
+   (references.library_reference: `from sympy import *`) -> its reference in the summary
+   (module:qualname, version, check), no blob;
 2. objects that must not or cannot be pickled (pickling.refusal) -> stub (type, short repr,
    reason);
 3. a cheap fingerprint (variables.fingerprint) equal to the previous snapshot's -> the previous
@@ -27,7 +30,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_variable
-from .pickling import Refused, TooLarge, TooSlow, refusal, serialize, time_limit
+from ..references import library_reference
+from .pickling import (
+    NotInKernel,
+    Refused,
+    TooLarge,
+    TooSlow,
+    refusal,
+    serialize,
+    small_value,
+    time_limit,
+)
 from .variables import (
     SMALL_CONTAINER,
     estimated_size,
@@ -55,12 +68,19 @@ def _secret_key_in(value: Any, pattern: str | None) -> str | None:
 
 
 def snapshot_status(records: list[dict[str, Any]]) -> str:
-    """`ok` when every variable has its value stored (or was redacted), else `partial`."""
+    """`ok` when every variable has its value stored (a blob or a library reference) or was
+    redacted, else `partial`."""
     complete = all(
-        r.get("blob_hash") or str(r.get("stub_reason") or "").startswith("redacted")
+        r.get("blob_hash")
+        or (r.get("summary") or {}).get("ref")
+        or str(r.get("stub_reason") or "").startswith("redacted")
         for r in records
     )
     return "ok" if complete else "partial"
+
+
+# Bytes the kernel serializes of one variable itself (small_snapshot.py); larger: a child.
+_KERNEL_BYTES = 4 << 20
 
 
 class SnapshotWriter:
@@ -78,8 +98,12 @@ class SnapshotWriter:
         secrets: KernelSecrets | None = None,
         recheck: bool = False,
         put_blob: Callable[[bytes], str] | None = None,
+        strict: bool = False,
     ) -> None:
         self.store = store
+        # The kernel's own snapshot (small_snapshot.py): NotInKernel, not a stub, for what a
+        # child must serialize (of the person's, too large or too slow for the kernel).
+        self.strict = strict
         # Where serialized values go (the store; a snapshot the kernel takes itself collects
         # them first and writes them with its rows).
         self.put_blob = put_blob or store.put_blob
@@ -123,6 +147,15 @@ class SnapshotWriter:
             rec.update(stub_variable(rec, reason), changed=True)
         return reason is not None
 
+    def _serialize_strict(self, value: Any) -> tuple[bytes, str]:
+        """The kernel's own pickle of `value`: NotInKernel unless every object in it is a
+        builtin's, a library's or a plain instance, and it fits in _KERNEL_BYTES."""
+        try:
+            limit = min(self.max_variable_bytes, _KERNEL_BYTES)
+            return serialize(value, max_bytes=limit, strict=True)
+        except (Refused, TooLarge, RecursionError) as e:
+            raise NotInKernel(type(e).__name__) from e
+
     def record(self, name: str, value: Any, prev: dict[str, Any] | None) -> dict[str, Any]:
         rec: dict[str, Any] = {"name": name, "type": type_name(value)}
         if is_secret_name(name, self.secret_pattern):
@@ -137,6 +170,16 @@ class SnapshotWriter:
             )
             rec["changed"] = prev is None or prev.get("stub_reason") != rec["stub_reason"]
             return rec
+        ref = library_reference(value)
+        if ref is not None:
+            rec["summary"] = ref
+            rec["changed"] = prev is None or prev.get("summary") != ref
+            return rec
+        # The kernel's own snapshot of a library's object (a sympy matrix, an estimator): its
+        # pickle first, which meets every object in it before any code of it runs; only then
+        # the library's code (its size, repr, hash), which may call back into what it holds
+        # (pandas deep-copies a frame's attrs).
+        vetted = self._serialize_strict(value) if self.strict and not small_value(value) else None
         if self._holds_secret(rec, value=value):
             return rec
         reason = refusal(value)
@@ -147,6 +190,9 @@ class SnapshotWriter:
             rec.update(summary=summary, stub_reason=reason)
             rec["changed"] = prev is None or prev.get("summary", {}).get("repr") != summary["repr"]
             return rec
+        estimate = estimated_size(value)
+        if self.strict and estimate is not None and estimate > _KERNEL_BYTES:
+            raise NotInKernel(f"~{estimate} bytes")  # hashing it takes a while
         fp = fingerprint(value)
         rec["fingerprint"] = fp
         # Nothing is reused unseen once a value was learnt secret since the last snapshot.
@@ -176,7 +222,6 @@ class SnapshotWriter:
         if self._holds_secret(rec, summary=summary):
             return rec
         rec["summary"] = summary
-        estimate = estimated_size(value)
         if estimate is not None and estimate > self.max_variable_bytes:
             rec.update(
                 fingerprint=fp or ident,
@@ -187,8 +232,11 @@ class SnapshotWriter:
             )
             return rec
         try:
-            with time_limit(self.max_variable_seconds):
-                data, codec = serialize(value, max_bytes=self.max_variable_bytes)
+            if vetted is not None:
+                data, codec = vetted
+            else:
+                with time_limit(self.max_variable_seconds):
+                    data, codec = serialize(value, max_bytes=self.max_variable_bytes)
         except Refused as e:
             rec.update(stub_reason=str(e), changed=True)
             return rec
@@ -202,6 +250,8 @@ class SnapshotWriter:
             )
             return rec
         except TooSlow:
+            if self.strict:
+                raise  # the kernel's budget: a child serializes it
             rec.update(
                 fingerprint=ident,
                 stub_reason=f"too slow: over {self.max_variable_seconds}s to serialize "

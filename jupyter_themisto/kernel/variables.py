@@ -32,7 +32,7 @@ def user_variables(shell: Any) -> Iterator[tuple[str, Any]]:
             continue
         if hidden.get(name, missing) is value:
             continue
-        if isinstance(value, types.ModuleType):
+        if issubclass(type(value), types.ModuleType):  # (isinstance could ask a metaclass)
             continue
         yield name, value
 

@@ -46,6 +46,13 @@ class _Unwritable(Exception):
     """The store took no writes (the message says why)."""
 
 
+class _Replaced(sqlite3.DatabaseError):
+    """The store's file is no longer the database the connection opened."""
+
+
+_REPLACED = "file is not a database: the store's file was replaced or overwritten"
+
+
 class RecordWriter:
     """A daemon thread that owns the recorder's writes (see module doc)."""
 
@@ -104,6 +111,7 @@ class RecordWriter:
             or not self._queue.empty()
             or self.lost
             or self._trajectories
+            or not self.store.intact()  # the thread finds out why, and keeps what it cannot write
         ):
             return None
         if threading.get_ident() not in self._direct_threads:
@@ -195,6 +203,9 @@ class RecordWriter:
                     self._execution(*payload)
                 else:
                     store = self._store()
+                    if store is not None and not store.intact():
+                        self._reopen()
+                        raise _Replaced(_REPLACED)
                     if store is not None:
                         self._locked(partial(payload, store))
             except BaseException as e:  # noqa: B036 - the thread must go on
@@ -262,6 +273,10 @@ class RecordWriter:
             self.failures += 1
             self._report("recording the execution failed", _Unwritable(reason))
             self._keep_lost(trajectory_id, order_index, fallback, reason)
+            return
+        if not store.intact():
+            self._lose(trajectory_id, order_index, fallback, _Replaced(_REPLACED))
+            self.write_seconds.append(time.perf_counter() - started)
             return
         try:
             record = prepare(lambda data: self._locked(partial(store.put_blob, data)))

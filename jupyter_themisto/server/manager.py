@@ -33,6 +33,7 @@ from ..context import (
     build_context,
 )
 from ..redaction import StoreRedactor, redact_variable
+from ..references import reference_pickle
 from ..store import TrajectoryStore
 from .models import NextCellRequest, OutputRequest
 
@@ -188,6 +189,11 @@ class ThemistoManager:
                 continue
             self.redactor.refresh()
             v = self.redactor.scrub_variable(v)
+            ref = (v.get("summary") or {}).get("ref")
+            if not v.get("blob_hash") and ref and not v.get("stub_reason"):
+                # A library's function or class: pickle bytes that import it again, refusing
+                # another version or another object under that name (references.py).
+                return reference_pickle(v["summary"]), "reference"
             if not v.get("blob_hash"):
                 reason = v.get("stub_reason") or "not serialized"
                 raise NotFound(f"variable {name!r} has no stored value ({reason})")

@@ -108,6 +108,8 @@ class TrajectoryStore:
         conn = self._conn()
         if not readonly and migrate:
             migrate_schema(conn)
+        self._inode = self._file_inode()
+        self._fd: int | None = None  # for intact(); never closed (see there)
 
     # -- connections -------------------------------------------------------------------------
 
@@ -157,6 +159,27 @@ class TrajectoryStore:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
+
+    def _file_inode(self) -> int | None:
+        try:
+            return os.stat(self.path).st_ino
+        except OSError:
+            return None
+
+    def intact(self) -> bool:
+        """The file is still the SQLite database this store opened: not deleted, replaced or
+        overwritten under it (a connection's cached pages and WAL index would let writes
+        "succeed" into such a file). One stat and a 16-byte read, through a descriptor kept
+        open for the process's life: closing any descriptor of the file would drop SQLite's
+        POSIX locks on it."""
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            head = os.pread(self._fd, 16, 0)
+            same = os.fstat(self._fd).st_ino == os.stat(self.path).st_ino == self._inode
+        except OSError:
+            return False
+        return head == b"SQLite format 3\x00" and same
 
     def set_busy_timeout(self, seconds: float) -> None:
         """How long this thread's connection waits for another writer's lock (0: not at all)."""

@@ -1,0 +1,65 @@
+"""Pages made writable again after a snapshot child (kernel/prefault.py): nothing allocated
+that the kernel had not touched, no byte changed, in a real kernel."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+from jupyter_themisto.kernel.prefault import prefault, present_runs
+
+from .recorder_kernel import RecordingKernel
+
+
+def test_only_present_pages_are_touched_and_stop_is_honoured():
+    reserved = np.empty(256 << 20, dtype=np.uint8)  # never written: no pages behind it
+    start = reserved.__array_interface__["data"][0]
+    runs = present_runs()
+    inside = sum(
+        min(a + n, start + reserved.nbytes) - max(a, start)
+        for a, n in runs
+        if a < start + reserved.nbytes and a + n > start
+    )
+    assert inside < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert prefault(lambda: False) > 0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # kB
+    assert prefault(lambda: True) == 0
+    del reserved
+
+
+def _value(k, expr):
+    msg_id = k.kc.execute("", silent=True, store_history=False, user_expressions={"v": expr})
+    while True:
+        reply = k.kc.get_shell_msg(timeout=60)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            value = reply["content"]["user_expressions"]["v"]
+            assert value["status"] == "ok", value
+            return eval(value["data"]["text/plain"])  # noqa: S307 - our own expression's repr
+
+
+def test_after_a_snapshot_child_the_kernel_memory_is_as_it_was(tmp_path):
+    k = RecordingKernel(
+        tmp_path / "prefault.sqlite",
+        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=0"],
+    )
+    recorder = "__import__('jupyter_themisto.kernel', fromlist=['x']).get_recorder()"
+    try:
+        k.run(
+            "import numpy as np, resource\n"
+            "data = np.arange(8_000_000, dtype=np.int64)\n"  # 64 MB, written
+            "reserved = np.empty(512 << 20, dtype=np.uint8)"  # 512 MB, never written
+        )
+        k.settle()
+        deadline = time.monotonic() + 120
+        while not _value(k, f"{recorder}.snapshots.counts.get('prefaulted', 0)"):
+            assert time.monotonic() < deadline, _value(k, f"{recorder}.snapshots.counts")
+            time.sleep(0.1)
+        rss_kb = _value(k, "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss")
+        assert rss_kb < 400_000  # the reserved 512 MB were not allocated
+        assert _value(k, "int(data.sum())") == 8_000_000 * 7_999_999 // 2
+        assert _value(k, "int(data[123_457])") == 123_457
+    finally:
+        k.shutdown()
