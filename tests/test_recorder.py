@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from jupyter_themisto.kernel.outputs import (
     TRUNCATION_MARKER,
     resolve_blob_refs,
 )
-from jupyter_themisto.store import TrajectoryStore
+from jupyter_themisto.store import StoreError, TrajectoryStore
 
 from .helpers import cli
 from .recorder_kernel import NOTEBOOK, RecordingKernel, kernel_fixture
@@ -209,7 +210,7 @@ def test_reader_in_another_process_during_writes(kernel):
             textwrap.dedent(
                 f"""
                 import sys, time
-                from jupyter_themisto.store import TrajectoryStore
+                from jupyter_themisto.store import StoreError, TrajectoryStore
                 store = TrajectoryStore({str(kernel.store_path)!r}, readonly=True)
                 seen, reads, end = [], 0, time.monotonic() + 120
                 while time.monotonic() < end:
@@ -384,6 +385,33 @@ def test_store_that_cannot_be_opened_at_load(tmp_path):
     assert [r["status"] for r in rows] == ["lost", "lost", "ok"]
     assert rows[0]["source"] == "print('still works')\n6 * 7"
     assert "cannot open the trajectory store" in rows[0]["detail"]
+
+
+def test_a_trajectory_the_store_refused_at_start_is_created_without_waiting_for_a_cell(tmp_path):
+    # The server (and the browser through it) learns that a kernel is recorded from its
+    # trajectory. One the store refused as the kernel started is retried while idle, not only
+    # when the person's first cell gives the writer something to write.
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the store's folder should be")
+    k = RecordingKernel(blocker / "trajectories.sqlite")
+    try:
+        k.settle()  # the writer has tried (and failed) to create the trajectory
+        assert not (blocker / "trajectories.sqlite").exists()
+        blocker.unlink()
+        found: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 60
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                with k.store() as store:
+                    found = store.list_trajectories()
+            except (StoreError, sqlite3.Error, OSError):
+                pass  # not made yet, or being made
+        rows = k.executions()  # (its settle runs no cell)
+    finally:
+        k.shutdown()
+    assert [t["notebook_path"] for t in found] == [NOTEBOOK]
+    assert rows == []
 
 
 def test_executions_while_the_store_is_locked_come_back_as_lost_rows(tmp_path):

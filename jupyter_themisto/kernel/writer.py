@@ -14,8 +14,9 @@ An execution that cannot be written — the disk is full, the file read-only or 
 database locked past `locked_retry_seconds` — is kept in memory (at most `max_lost`, without
 its outputs) and written as an execution with status `lost`, its `detail` saying why, at its
 own place in the order, as soon as the store takes writes again (tried before every later
-write and every `retry_seconds` while idle). A trajectory whose store could not be opened at
-all is created then too.
+write and every `retry_seconds` while idle). A trajectory that could not be created as the
+kernel started (the store could not be opened, or was locked past `locked_retry_seconds`) is
+retried the same way, so it exists before the person's first cell runs.
 
 `fork_lock` is held around every call the thread makes into SQLite: the kernel takes it to
 fork, so that no child inherits SQLite's internal mutexes half-held by the thread.
@@ -188,9 +189,10 @@ class RecordWriter:
     def _run(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=self.retry_seconds if self.lost else None)
+                waiting = self.lost or self._trajectories
+                item = self._queue.get(timeout=self.retry_seconds if waiting else None)
             except queue.Empty:
-                self._retry_lost()
+                self._retry_lost()  # (creates the trajectories still to create first)
                 continue
             kind, payload = item
             if kind == "stop":
