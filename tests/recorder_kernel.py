@@ -95,6 +95,17 @@ class RecordingKernel:
         while self.kc.get_shell_msg(timeout=60)["parent_header"].get("msg_id") != msg_id:
             pass
 
+    def value(self, expr: str) -> Any:
+        """The value of an expression of ours in the kernel (a silent request; its repr
+        evaluated here)."""
+        msg_id = self.kc.execute("", silent=True, store_history=False, user_expressions={"v": expr})
+        while True:
+            reply = self.kc.get_shell_msg(timeout=60)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                value = reply["content"]["user_expressions"]["v"]
+                assert value["status"] == "ok", value
+                return eval(value["data"]["text/plain"])  # noqa: S307 - our own expression's repr
+
     def execution(self, msg_id: str) -> dict[str, Any]:
         self.settle()
         with self.store() as store:

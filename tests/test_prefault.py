@@ -30,16 +30,6 @@ def test_only_present_pages_are_touched_and_stop_is_honoured():
     del reserved
 
 
-def _value(k, expr):
-    msg_id = k.kc.execute("", silent=True, store_history=False, user_expressions={"v": expr})
-    while True:
-        reply = k.kc.get_shell_msg(timeout=60)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            value = reply["content"]["user_expressions"]["v"]
-            assert value["status"] == "ok", value
-            return eval(value["data"]["text/plain"])  # noqa: S307 - our own expression's repr
-
-
 def test_after_a_snapshot_child_the_kernel_memory_is_as_it_was(tmp_path):
     k = RecordingKernel(
         tmp_path / "prefault.sqlite",
@@ -54,12 +44,12 @@ def test_after_a_snapshot_child_the_kernel_memory_is_as_it_was(tmp_path):
         )
         k.settle()
         deadline = time.monotonic() + 120
-        while not _value(k, f"{recorder}.snapshots.counts.get('prefaulted', 0)"):
-            assert time.monotonic() < deadline, _value(k, f"{recorder}.snapshots.counts")
+        while not k.value(f"{recorder}.snapshots.counts.get('prefaulted', 0)"):
+            assert time.monotonic() < deadline, k.value(f"{recorder}.snapshots.counts")
             time.sleep(0.1)
-        rss_kb = _value(k, "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss")
+        rss_kb = k.value("resource.getrusage(resource.RUSAGE_SELF).ru_maxrss")
         assert rss_kb < 400_000  # the reserved 512 MB were not allocated
-        assert _value(k, "int(data.sum())") == 8_000_000 * 7_999_999 // 2
-        assert _value(k, "int(data[123_457])") == 123_457
+        assert k.value("int(data.sum())") == 8_000_000 * 7_999_999 // 2
+        assert k.value("int(data[123_457])") == 123_457
     finally:
         k.shutdown()

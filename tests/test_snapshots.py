@@ -242,15 +242,10 @@ def test_child_bound_skips_then_waits_when_configured(tmp_path):
 
 
 def _recorder_value(k, expr):
-    """Evaluate an expression about the kernel's recorder (a silent request)."""
-    code = "(_r := __import__('jupyter_themisto.kernel', fromlist=['x']).get_recorder())"
-    msg_id = k.kc.execute("", silent=True, store_history=False, user_expressions={"v": code + expr})
-    while True:
-        reply = k.kc.get_shell_msg(timeout=60)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            value = reply["content"]["user_expressions"]["v"]
-            assert value["status"] == "ok", value
-            return eval(value["data"]["text/plain"])  # noqa: S307 - our own expression's repr
+    """Evaluate an expression about the kernel's recorder (`_r`)."""
+    return k.value(
+        "(_r := __import__('jupyter_themisto.kernel', fromlist=['x']).get_recorder())" + expr
+    )
 
 
 def test_cells_sent_at_once_share_one_snapshot(kernel):
