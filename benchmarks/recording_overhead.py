@@ -273,13 +273,41 @@ def storage_breakdown(parts: dict[str, int]) -> dict[str, int]:
 
 
 def kishu_parts(run_dir: Path, notebook_copy: Path) -> dict[str, int]:
-    """Kishu's files under its root (KISHU_PATH_ROOT), by folder; not the notebook copy."""
+    """Kishu's files under its root (KISHU_PATH_ROOT), by folder; not the notebook copy. And,
+    as "db …" parts, what its databases hold: the variables' data (the tables `checkpoint` and
+    `variable_snapshot`), the notebook's JSON that each commit keeps a copy of (`raw_nb` in
+    `commit_entry`), the rest of the commit entries, and everything else."""
+    import dill  # Kishu pickles its commit entries with dill
+
     parts: dict[str, int] = {}
     for p in run_dir.rglob("*"):
         if p.is_file() and p != notebook_copy:
             rel = p.relative_to(run_dir).parts
-            key = rel[0] + (f"/…/*{p.suffix}" if len(rel) > 1 else "")
+            key = "file " + rel[0] + (f"/…/*{p.suffix}" if len(rel) > 1 else "")
             parts[key] = parts.get(key, 0) + p.stat().st_size
+    for db in run_dir.rglob("*.kishudb"):
+        conn = sqlite3.connect(db)
+        try:
+            found = {
+                "db variable data (checkpoint, variable_snapshot)": sum(
+                    conn.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {table}").fetchone()[
+                        0
+                    ]
+                    for table in ("checkpoint", "variable_snapshot")
+                )
+            }
+            notebook = entries = 0
+            for (data,) in conn.execute("SELECT data FROM commit_entry"):
+                entries += len(data)
+                raw_nb = getattr(dill.loads(data), "raw_nb", None) or ""
+                notebook += len(raw_nb.encode())
+        finally:
+            conn.close()
+        found["db commit entries: the notebook's JSON at each commit"] = notebook
+        found["db commit entries: the rest (cells, outputs, plans)"] = entries - notebook
+        found["db other tables, indexes, free pages"] = db.stat().st_size - sum(found.values())
+        for k, v in found.items():
+            parts[k] = parts.get(k, 0) + v
     return parts
 
 
@@ -357,7 +385,9 @@ def run_notebook(
         result["breakdown"] = storage_breakdown(result["parts"])
     if mode == "kishu":
         result["parts"] = kishu_parts(run_dir, kishu_nb)
-        result["stored_bytes"] = sum(result["parts"].values())
+        result["stored_bytes"] = sum(
+            v for k, v in result["parts"].items() if not k.startswith("db ")
+        )
     shutil.rmtree(run_dir, ignore_errors=True)
     return result
 
@@ -619,7 +649,7 @@ def report(raw: dict[str, Any], modes: list[str], send: str) -> None:
         # so the empty schema's pages count once, not once per notebook.
         data = stored["on_with_kishu"] - stored["stores_with_kishu"] * empty_store_bytes()
         print(
-            f"  kishu stored {stored['kishu'] / 1e6:.2f} MB (checkpoints only) on the same "
+            f"  kishu stored {stored['kishu'] / 1e6:.2f} MB (its folder) on the same "
             f"notebooks, where the recorder stored {stored['on_with_kishu'] / 1e6:.2f} MB in all "
             f"(Kishu/recorder = {ratio:.1f}x; {data / 1e6:.2f} MB beyond the empty store each "
             f"notebook's run starts with: {stored['kishu'] / max(1, data):.1f}x), "
@@ -632,6 +662,14 @@ def report(raw: dict[str, Any], modes: list[str], send: str) -> None:
             f"  on    as one store (a person's: the {n} stores less {n - 1} empty schemas): "
             f"{one_store / 1e6:.3f} MB (Kishu/recorder = "
             f"{stored['kishu'] / max(1, one_store):.1f}x)"
+        )
+        kishu_vars = kishu_parts_sum.get("db variable data (checkpoint, variable_snapshot)", 0)
+        kishu_nb = kishu_parts_sum.get("db commit entries: the notebook's JSON at each commit", 0)
+        print(
+            f"  variables' data alone: Kishu {kishu_vars / 1e6:.3f} MB, the recorder's snapshots "
+            f"{stored['snapshots_with_kishu'] / 1e6:.3f} MB (Kishu/recorder = "
+            f"{kishu_vars / max(1, stored['snapshots_with_kishu']):.1f}x); Kishu's copies of the "
+            f"notebook's JSON, one per commit: {kishu_nb / 1e6:.3f} MB"
         )
     for title, table in (
         ("recorder (files after the store was next opened and closed)", on_parts),
