@@ -16,6 +16,9 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
    in one process on one loaded model, with the ratios to the defaults; `--long N` adds N
    long corpus notebooks (over the prompt budget), whose prompts the cut moves with every
    cell. Cold requests never reuse runs of tokens (a notebook new to the engine has none).
+   The variants share the engine and its cache: a long notebook's later prompts are the same
+   text in each, so a variant may find the one before it evaluated them; compare
+   `cache_reuse_tokens` on long notebooks with `benchmarks/cache_reuse.py` (a process each).
 2. Through a real `jupyter server` with the extension and no backend configured (the default
    is the local model): the server's RSS, the first request against the later ones over HTTP.
 
