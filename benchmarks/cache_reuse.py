@@ -14,6 +14,7 @@ prompts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import statistics
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DEFAULT = ("2,0", "2,256", "1,0", "1,256")
@@ -54,13 +56,17 @@ async def one(parallel: int, reuse: int) -> None:
     backend = LlamaCppPredictor({"parallel": parallel, "cache_reuse_tokens": reuse})
     backend.env = BackendEnv(log=log)
     await asyncio.to_thread(backend.shared)
-    cells = bench.notebook_cells(bench.long_notebooks(1, 40)[0], 40)
+    path = bench.long_notebooks(1, 40)[0]
+    cells = bench.notebook_cells(path, 40)
     mark = f"# {uuid.uuid4()}"
-    await bench.timed(backend, bench.context(cells[:9], mark))
+
+    def context(k: int) -> Any:
+        # (as the server's contexts: the notebook named, which the engine slot is chosen by)
+        return dataclasses.replace(bench.context(cells[:k], mark), notebook_path=path.name)
+
+    await bench.timed(backend, context(9))
     lines.rows.clear()
-    firsts = [
-        (await bench.timed(backend, bench.context(cells[:k], mark)))[0] for k in range(10, 26)
-    ]
+    firsts = [(await bench.timed(backend, context(k)))[0] for k in range(10, 26)]
     shares = [cached / total for total, cached in lines.rows if total]
     print(
         f"parallel {parallel}, cache_reuse_tokens {reuse:4d}: first chunk median "

@@ -8,6 +8,7 @@ Also the openai backend against the same llama.cpp engine's own OpenAI-compatibl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import threading
@@ -17,7 +18,12 @@ import httpx
 import pytest
 
 from jupyter_themisto.backends import BackendUnavailable, NoPrediction, create_backend
-from jupyter_themisto.backends._local import Completion, LocalModelPredictor, loaded_models
+from jupyter_themisto.backends._local import (
+    Completion,
+    LocalModelPredictor,
+    SharedModel,
+    loaded_models,
+)
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
@@ -255,7 +261,8 @@ def long_notebook(n: int, mark: str) -> PredictionContext:
 def cached_share(backend, ctx) -> tuple[int, int]:
     """(tokens of the prompt of `ctx`, how many the engine's cache held), asked directly."""
     model = backend.shared()
-    body = backend.request(Completion.of(backend.next_cell_prompt(ctx, model), 1), stream=False)
+    job = Completion.of(backend.next_cell_prompt(ctx, model), 1, slot=backend.slot(ctx, model))
+    body = backend.request(job, stream=False)
     with model.lock:
         answer = model.model.handle_completions(body)
     usage = answer["usage"]
@@ -317,6 +324,46 @@ async def test_cache_reuse_serves_a_prompt_cut_anew(model_file):
             assert cached >= total - 60, (total, cached)
         else:
             assert cached < total // 2, (total, cached)
+
+
+async def test_with_two_slots_each_notebook_keeps_the_slot_holding_its_runs(model_file):
+    # Two notebooks in turn, each prompt cut anew. The engine would choose slots by the
+    # prompts' beginnings, which moved: a notebook's next prompt would land in the slot the
+    # other notebook used, whose runs of tokens are not its own. With cache_reuse_tokens each
+    # notebook's prompts go to a slot of its own.
+    backend = llama(
+        max_tokens=4, parallel=2, max_prompt_tokens=200, prompt_cells=0, cache_reuse_tokens=16
+    )
+    marks = {name: secrets.token_hex(6) for name in ("a.ipynb", "b.ipynb")}
+
+    def notebook(name: str, n: int) -> PredictionContext:
+        return dataclasses.replace(marked_notebook(n, marks[name]), notebook_path=name)
+
+    model = backend.shared()
+    assert backend.slot(notebook("a.ipynb", 40), model) != backend.slot(
+        notebook("b.ipynb", 40), model
+    )
+    cached_share(backend, notebook("a.ipynb", 40))
+    cached_share(backend, notebook("b.ipynb", 40))
+    cached_share(backend, notebook("b.ipynb", 41))
+    total, cached = cached_share(backend, notebook("a.ipynb", 41))
+    assert cached >= total - 60, (total, cached)
+    body = backend.request(
+        Completion.of(backend.next_cell_prompt(notebook("a.ipynb", 42), model), 1, slot=1)
+    )
+    assert body["id_slot"] == 1 and body["n_cache_reuse"] == 16
+
+
+def test_a_notebook_keeps_its_slot_and_a_new_one_takes_the_least_recently_used():
+    model = SharedModel(None, 0.0, slots=2)
+    assert model.slot_for("") == -1  # a request of no notebook: any slot
+    assert SharedModel(None, 0.0, slots=1).slot_for("a") == -1
+    a, b = model.slot_for("a"), model.slot_for("b")
+    assert {a, b} == {0, 1}
+    assert model.slot_for("a") == a  # used again: b is now the least recently used
+    assert model.slot_for("c") == b
+    assert model.slot_for("b") == a  # b lost its slot to c; a's is the least recently used
+    assert model.slot_for("c") == b
 
 
 async def test_a_cold_prompt_is_answered_short_and_evaluated_whole_after(model_file, caplog):
@@ -398,8 +445,6 @@ class ScriptedEngine(LocalModelPredictor):
     def __init__(self, answers: list[str]) -> None:
         super().__init__({})
         self.answers = list(answers)
-        from jupyter_themisto.backends._local import SharedModel
-
         self.model = SharedModel(None, 0.0)
 
     def shared(self):

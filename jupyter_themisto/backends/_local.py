@@ -15,7 +15,7 @@ import atexit
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -45,6 +45,8 @@ class Completion:
     fim: FimTokens | None = None
     #: seconds the generation may take (the engine stops it; 0: no bound)
     time_limit: float = 0.0
+    #: the engine's slot to run in (see `SharedModel.slot_for`; -1: whichever is free)
+    slot: int = -1
 
     @classmethod
     def of(
@@ -54,6 +56,7 @@ class Completion:
         temperature: float = 0.0,
         seed: int = 0,
         time_limit: float = 0.0,
+        slot: int = -1,
     ) -> Completion:
         """The Completion of `prompt`: a fill-in-the-middle prompt keeps its two sides apart
         (an engine that must shorten the prompt cuts the prefix's beginning, never the FIM
@@ -68,8 +71,17 @@ class Completion:
                 suffix=prompt.suffix,
                 fim=prompt.fim,
                 time_limit=time_limit,
+                slot=slot,
             )
-        return cls(prompt.text, prompt.stops, max_tokens, temperature, seed, time_limit=time_limit)
+        return cls(
+            prompt.text,
+            prompt.stops,
+            max_tokens,
+            temperature,
+            seed,
+            time_limit=time_limit,
+            slot=slot,
+        )
 
 
 class SharedModel:
@@ -93,9 +105,29 @@ class SharedModel:
         self.running: set[threading.Event] = set()
         #: the prompts evaluated last (newest last): what an engine's prompt cache may hold
         self.recent: deque[str] = deque(maxlen=8)
+        #: the engine slot of each notebook that has one (least recently used first)
+        self._slot_of: OrderedDict[str, int] = OrderedDict()
+        self._slot_lock = threading.Lock()
 
     def remember(self, prompt: str) -> None:
         self.recent.append(prompt)
+
+    def slot_for(self, notebook: str) -> int:
+        """The engine slot a notebook's prompts go to: the same one while the notebook keeps
+        it, so that the slot's cache holds the notebook's previous prompt. A notebook new to
+        the model takes a slot no notebook has, else the one used least recently. -1 (any
+        slot) for a request of no notebook, or a model of one slot."""
+        if not notebook or self.slots < 2:
+            return -1
+        with self._slot_lock:
+            if notebook in self._slot_of:
+                self._slot_of.move_to_end(notebook)
+                return self._slot_of[notebook]
+            taken = set(self._slot_of.values())
+            free = [s for s in range(self.slots) if s not in taken]
+            slot = free[0] if free else self._slot_of.popitem(last=False)[1]
+            self._slot_of[notebook] = slot
+            return slot
 
     def holds(self, prompt: str) -> bool:
         """Whether a recent prompt shares at least half of `prompt`'s beginning (so that the
@@ -342,6 +374,11 @@ class LocalModelPredictor(Predictor):
         keep a prompt cache override this; the whole prompt is evaluated after the answer."""
         return None
 
+    def slot(self, ctx: PredictionContext, model: SharedModel) -> int:
+        """The engine slot for `ctx`'s next-cell prompts and their warm-ups (-1: any free
+        slot). Engines whose cache needs a notebook's prompts in one slot override this."""
+        return -1
+
     async def idle(self) -> None:
         """Wait for the warm-ups started after cold answers (benchmarks, tests)."""
         while self._background:
@@ -351,7 +388,7 @@ class LocalModelPredictor(Predictor):
         # Remembered now: a request asked before the warm-up starts finds it coming (and waits
         # for it in `_settle`) instead of answering cold again.
         model.remember(prompt.prefix)
-        key = _notebook_key(ctx)
+        key = notebook_key(ctx)
         task = asyncio.ensure_future(self.warm(ctx))
         self._background[key] = task
         task.add_done_callback(
@@ -448,6 +485,7 @@ class LocalModelPredictor(Predictor):
         self, ctx: PredictionContext, model: SharedModel, prompt: Prompt, n: int
     ) -> AsyncIterator[NextCellChunk]:
         previous = _previous_cell(ctx)
+        slot = self.slot(ctx, model)
         wanted = max(1, n)
         dropped: list[str] = []
         # The first suggestion has suggestion_timeout in all, stand-ins for a dropped greedy
@@ -470,6 +508,7 @@ class LocalModelPredictor(Predictor):
                 temperature,
                 self.settings.seed + attempt,
                 time_limit=limit,
+                slot=slot,
             )
             status: dict[str, bool] = {}
             text, sent = "", 0
@@ -502,6 +541,7 @@ class LocalModelPredictor(Predictor):
                 self.settings.max_tokens,
                 self.settings.sample_temperature,
                 self.settings.seed + attempt,
+                slot=slot,
             )
             status = {}
             text = "".join([piece async for piece in self._complete(job, status)])
@@ -565,7 +605,7 @@ class LocalModelPredictor(Predictor):
         notebook asked meanwhile waits for this to finish and starts from its cache. Warm-ups
         of one notebook asked while one runs (cells run in a row) are folded: only the newest
         runs next."""
-        key = _notebook_key(ctx)
+        key = notebook_key(ctx)
         running = self._warming.get(key)
         if running is not None and not running.done():
             self._next_warm[key] = ctx
@@ -574,7 +614,7 @@ class LocalModelPredictor(Predictor):
         next_ctx: PredictionContext | None = ctx
         while next_ctx is not None:
             prompt = self.next_cell_prompt(next_ctx, model)
-            job = Completion.of(prompt, max_tokens=1)
+            job = Completion.of(prompt, max_tokens=1, slot=self.slot(next_ctx, model))
             model.remember(job.prompt)
             task = asyncio.ensure_future(asyncio.to_thread(self.prefill, model, job))
             self._warming[key] = task
@@ -588,7 +628,7 @@ class LocalModelPredictor(Predictor):
     async def _settle(self, ctx: PredictionContext) -> None:
         """Wait (within the suggestion's time) for a warm-up of this notebook still running:
         starting beside it would evaluate the same prompt twice, on the same cores."""
-        key = _notebook_key(ctx)
+        key = notebook_key(ctx)
         task = self._warming.get(key) or self._background.get(key)
         if task is not None and not task.done():
             try:
@@ -600,7 +640,7 @@ class LocalModelPredictor(Predictor):
         """Evaluate `job.prompt` into the engine's prompt cache, if it has one."""
 
 
-def _notebook_key(ctx: PredictionContext) -> str:
+def notebook_key(ctx: PredictionContext) -> str:
     return ctx.kernel_id or ctx.notebook_path or ctx.trajectory_id or ""
 
 

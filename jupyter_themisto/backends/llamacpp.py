@@ -31,6 +31,7 @@ from ._local import (
     SharedModel,
     default_threads,
     loaded_model,
+    notebook_key,
     shared_model,
 )
 from .base import BackendError, BackendUnavailable
@@ -123,12 +124,13 @@ class LlamaCppSettings(LocalModelSettings):
         " prompt; see README for what it cost in chrF)",
     )
     cache_reuse_tokens: int = Field(
-        0,
+        256,
         ge=0,
         description="with a prompt whose beginning changed (a long notebook's prompt cut anew,"
         " the window of cells moved), the engine reuses runs of at least this many tokens it"
         " evaluated before, shifted into place (llama.cpp's `n_cache_reuse`), instead of"
-        " evaluating them again (0: off; see README)",
+        " evaluating them again; each notebook's prompts then go to an engine slot of its own,"
+        " which holds those runs (0: off; see README for what it saves)",
     )
     cache_ram_mb: int = Field(
         256, description="MB of earlier prompts' states kept in RAM for later requests"
@@ -277,6 +279,15 @@ class LlamaCppPredictor(LocalModelPredictor):
             return None
         return next_cell_prompt(ctx, self.prompt_options, self._fim(model), cold_chars)
 
+    def slot(self, ctx: PredictionContext, model: SharedModel) -> int:
+        """With `cache_reuse_tokens`, a notebook's prompts go to a slot of its own: a prompt
+        whose beginning moved finds the runs of tokens to reuse only in the slot that evaluated
+        the notebook's previous prompt, and the engine would pick either (it matches slots by
+        the prompts' beginnings)."""
+        if not self.settings.cache_reuse_tokens:
+            return -1
+        return model.slot_for(notebook_key(ctx))
+
     def request(self, job: Completion, *, stream: bool = True) -> dict[str, Any]:
         """The llama.cpp server completion request for `job`."""
         # (prompts from `next_cell_prompt` fit already; this bounds any other)
@@ -306,6 +317,8 @@ class LlamaCppPredictor(LocalModelPredictor):
         if self.settings.cache_reuse_tokens:
             # Asked per request (the loaded model is shared by instances with other settings).
             body["n_cache_reuse"] = self.settings.cache_reuse_tokens
+        if job.slot >= 0:
+            body["id_slot"] = job.slot
         return body
 
     def run(
