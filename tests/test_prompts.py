@@ -9,6 +9,7 @@ from jupyter_themisto.backends.prompts import (
     PromptOptions,
     completion_prompt,
     next_cell_prompt,
+    object_reprs_only,
     output_prompt,
 )
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, build_context
@@ -78,6 +79,48 @@ def test_runtime_at_the_end_and_outputs_of_the_last_cell():
     # Outputs are runtime information: without it, none is shown.
     many.with_runtime = False
     assert "# Out" not in next_cell_prompt(many, PromptOptions(outputs="all")).text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<Figure size 640x480 with 1 Axes>",
+        "<Figure size 1400x600 with 1 Axes>\n<Figure size 1400x600 with 2 Axes>",
+        "[<matplotlib.lines.Line2D at 0x7f3a2c1d5e50>]",
+        "[<matplotlib.lines.Line2D at 0x7f3a2c1d5e50>, <matplotlib.lines.Line2D at 0x7f3a2c>]",
+        "<list_iterator at 0x7f3a2c1d5e50>",
+        "<IPython.core.display.Javascript object>",
+        "<Axes: title={'center': 'x'}>",
+        "Text(0.5, 1.0, 'Prices')",
+    ],
+)
+def test_an_output_of_default_reprs_only_can_be_left_out(text):
+    assert object_reprs_only(text)
+    ctx = PredictionContext(
+        cells=[ContextCell(source="plt.plot(x)", output_text=text, order_index=0)]
+    )
+    assert "# Out: " in next_cell_prompt(ctx).text  # shown by default
+    left_out = next_cell_prompt(ctx, PromptOptions(object_reprs=False)).text
+    assert left_out == "# %%\nplt.plot(x)\n\n# %%\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0.93",
+        "<Figure size 640x480 with 1 Axes>\naccuracy: 0.93",
+        "<div>a table</div>",
+        "array([1, 2])",
+        "   \n",
+    ],
+)
+def test_an_output_that_says_something_is_kept(text):
+    assert not object_reprs_only(text)
+    ctx = PredictionContext(
+        cells=[ContextCell(source="model.score(x)", output_text=text, order_index=0)]
+    )
+    options = PromptOptions(object_reprs=False)
+    assert next_cell_prompt(ctx, options).text == next_cell_prompt(ctx).text
 
 
 def test_markdown_can_be_left_out():
@@ -173,6 +216,7 @@ def test_options_from_backend_settings():
         {"prompt_cells": "5", "prompt_markdown": "false", "prompt_runtime": "end", "seed": 3}
     )
     assert (o.cells, o.markdown, o.runtime) == (5, False, "end")
+    assert PromptOptions.from_settings({"prompt_object_reprs": "false"}).object_reprs is False
     for bad, match in [
         ({"prompt_colour": 1}, "unknown prompt setting 'prompt_colour'"),
         ({"prompt_runtime": "middle"}, "prompt_runtime must be"),
@@ -182,6 +226,7 @@ def test_options_from_backend_settings():
         ({"prompt_below": "maybe"}, "prompt_below must be true or false"),
         ({"prompt_window_step": 0}, "prompt_window_step"),
         ({"prompt_below_cells": -1}, "prompt_below_cells"),
+        ({"prompt_object_reprs": "sometimes"}, "prompt_object_reprs must be true or false"),
     ]:
         with pytest.raises(ValueError, match=match):
             PromptOptions.from_settings(bad)

@@ -31,6 +31,21 @@ _SPECIAL = re.compile(r"<\|[A-Za-z_]+\|>")
 #: the cell marker of the percent format (Jupytext, VS Code, Spyder)
 CELL_MARKER = "# %%"
 
+# An object's default repr says nothing about what comes next: `<Figure size 640x480 with 1
+# Axes>`, `[<matplotlib.lines.Line2D at 0x7f…>]`, `<list_iterator at 0x7f…>`, `Text(0.5, 1.0,
+# 'x')` (what plt.title returns), `<IPython.core.display.HTML object>`.
+_REPR = (
+    r"(?:<[^<>\n]*\bat 0x[0-9a-fA-F]+>|<Figure size [^<>\n]*>|<[\w.]+ object>"
+    r"|<Axes(?:Subplot)?:[^<>\n]*>|Text\([^\n]*\))"
+)
+_OBJECT_REPR_LINE = re.compile(rf"\[?{_REPR}(?:, {_REPR})*(?:, …)?\]?")
+
+
+def object_reprs_only(text: str) -> bool:
+    """Whether an output is nothing but objects' default reprs (a figure, an iterator)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return bool(lines) and all(_OBJECT_REPR_LINE.fullmatch(line) for line in lines)
+
 
 @dataclass(frozen=True)
 class FimTokens:
@@ -81,6 +96,8 @@ class PromptOptions:
       (only for models with FIM tokens; off by default: it lowered the scores, see README).
     below_cells: how many of the cells below (the nearest) the suffix holds.
     max_output_lines: lines kept of an output shown.
+    object_reprs: outputs that are nothing but objects' default reprs (`<Figure size 640x480
+      with 1 Axes>`, `<list_iterator at 0x…>`) shown too (False: left out, as no output).
     template: "raw" (the script to continue) or "chatml" (the script inside an instruct model's
       ChatML conversation, the assistant's answer opened with a code fence).
     """
@@ -93,6 +110,7 @@ class PromptOptions:
     below: bool = False
     below_cells: int = 2
     max_output_lines: int = 6
+    object_reprs: bool = True
     template: str = "raw"
 
     @classmethod
@@ -154,6 +172,11 @@ class PromptSettings(BackendSettings):
     )
     prompt_max_output_lines: int = Field(
         _PROMPT.max_output_lines, ge=0, description="lines kept of an output shown"
+    )
+    prompt_object_reprs: bool = Field(
+        _PROMPT.object_reprs,
+        description="outputs that are nothing but objects' default reprs (`<Figure size 640x480"
+        " with 1 Axes>`, `<list_iterator at 0x…>`) shown too (`false`: left out, as no output)",
     )
     prompt_runtime: Literal["none", "header", "end"] = Field(
         _PROMPT.runtime,  # type: ignore[arg-type]
@@ -286,6 +309,7 @@ def next_cell_prompt(
             ctx.with_runtime
             and c.output_text.strip()
             and (options.outputs == "all" or (options.outputs == "last" and i == newest))
+            and (options.object_reprs or not object_reprs_only(c.output_text))
         ):
             lines += _output_lines(c, options.max_output_lines)
         blocks.append("\n".join(lines + [""]) + "\n")
@@ -438,6 +462,7 @@ __all__ = [
     "PromptOptions",
     "completion_prompt",
     "next_cell_prompt",
+    "object_reprs_only",
     "output_prompt",
     "stable_start",
     "render_context",
