@@ -760,6 +760,37 @@ def test_record_counts_what_ran_and_a_slow_last_snapshot_is_a_clear_error(tmp_pa
         assert statuses == ["ok", "partial"]
 
 
+def test_a_cell_that_runs_past_the_timeout_is_interrupted_and_recorded(tmp_path):
+    """A cell still running at --timeout (a loop that never ends, printing) is interrupted: it
+    is recorded as interrupted, with what it printed and its KeyboardInterrupt; the recording
+    is written after it, and the run stops there, saying so."""
+    nb = write_notebook(
+        tmp_path / "loop.ipynb",
+        [
+            "n = 0",
+            "import time\nwhile True:\n    n += 1\n    print(f'Round {n}')\n    time.sleep(0.01)",
+            "after = 1",
+        ],
+    )
+    store_path = tmp_path / "s.sqlite"
+    r = cli("record", str(nb), "--timeout", "3", store=store_path)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "2 cells recorded" in r.stderr, r.stderr
+    assert "stopped: cell 2 timed out after 3 s" in r.stderr, r.stderr  # (cell 0: markdown)
+    assert "did not answer" not in r.stderr, r.stderr
+    with TrajectoryStore(store_path, readonly=True) as store:
+        (t,) = store.list_trajectories()
+        rows = store.list_executions(t["id"])
+        assert [e["source"] for e in rows] == ["n = 0", nb_source(nb, 1)]
+        looped = rows[1]
+        assert looped["status"] == "interrupted"
+        assert outputs_to_text(looped["outputs"]).startswith("Round 1\nRound 2\n")
+        assert [o.get("ename") for o in looped["outputs"]][-1] == "KeyboardInterrupt"
+        # The snapshot after the interrupted cell was written, not left pending.
+        assert looped["snapshot_status"] in ("ok", "partial", "unchanged"), looped
+
+
 def nb_source(path: Path, index: int) -> str:
     nb = nbformat.read(str(path), as_version=4)
     return [c.source for c in nb.cells if c.cell_type == "code"][index]

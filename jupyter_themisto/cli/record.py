@@ -48,7 +48,12 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("notebooks", nargs="+", metavar="NOTEBOOK", help=".ipynb files to run")
     p.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="seconds one cell may run"
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds one cell may run; a cell still running then is"
+        " interrupted (recorded as interrupted) and the notebook stops there",
     )
     p.add_argument(
         "--kernel", metavar="NAME", default=None, help="kernel name (default: the notebook's)"
@@ -154,6 +159,7 @@ def record_notebook(
 ) -> dict[str, Any]:
     """Run one notebook with the recorder; returns {"trajectory_id", "cells", "error"}."""
     from jupyter_client.kernelspec import NoSuchKernel
+    from jupyter_core.utils import ensure_async
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -192,6 +198,10 @@ def record_notebook(
                         await client.async_execute_cell(cell, index)
                     except CellTimeoutError:
                         error = f"cell {index} timed out after {timeout:.0f} s"
+                        # Interrupted, the cell ends with KeyboardInterrupt and is recorded
+                        # with what it printed; the recording is then written after it.
+                        if client.km is not None:
+                            await ensure_async(client.km.interrupt_kernel())
                         break
                     except CellExecutionError as e:
                         first = str(e).strip().splitlines()
