@@ -11,13 +11,19 @@ import asyncio
 import dataclasses
 import json
 import secrets
+import sqlite3
 import threading
 import time
 
 import httpx
 import pytest
 
-from jupyter_themisto.backends import BackendUnavailable, NoPrediction, create_backend
+from jupyter_themisto.backends import (
+    BackendEnv,
+    BackendUnavailable,
+    NoPrediction,
+    create_backend,
+)
 from jupyter_themisto.backends._local import (
     Completion,
     LocalModelPredictor,
@@ -29,6 +35,7 @@ from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
 from jupyter_themisto.backends.prompts import QWEN_FIM, next_cell_prompt
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
+from jupyter_themisto.store import TrajectoryStore
 
 #: A prompt the model continues for long: counting, with no cell boundary in sight.
 ENDLESS = "# %%\nnumbers = [\n    1,\n    2,\n    3,\n"
@@ -442,8 +449,8 @@ class ScriptedEngine(LocalModelPredictor):
 
     name = "scripted"
 
-    def __init__(self, answers: list[str]) -> None:
-        super().__init__({})
+    def __init__(self, answers: list[str], settings: dict | None = None, env=None) -> None:
+        super().__init__(settings or {}, env)
         self.answers = list(answers)
         self.model = SharedModel(None, 0.0)
 
@@ -592,3 +599,75 @@ async def test_llama_cpp_server_streams_sse_and_wants_its_key(llama_server):
     assert lines[-1] == "data: [DONE]"
     first = json.loads(lines[0][6:])
     assert first["object"] == "chat.completion.chunk" and "delta" in first["choices"][0]
+
+
+# -- cells that ran in this order before ---------------------------------------------------------
+
+
+def followed_history(tmp_path, stretch: list[str], followers: list[str]) -> TrajectoryStore:
+    """A store in which `stretch` ran once before each of `followers`, each in a notebook."""
+    store = TrajectoryStore(tmp_path / "history.sqlite")
+    for after in followers:
+        tid = store.create_trajectory(notebook_path="old.ipynb")
+        for source in ["import os", *stretch, after]:
+            store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
+    return store
+
+
+async def test_what_followed_the_same_cells_before_is_shown_at_once(tmp_path):
+    ctx = session()
+    stretch = [c.source for c in ctx.cells[-2:]]
+    store = followed_history(tmp_path, stretch, ["df.groupby('a').sum()"] * 2)
+    backend = ScriptedEngine(["df.head()\n"], env=BackendEnv(store=store))
+    chunks = [c async for c in backend.predict_next_cell(ctx)]
+    assert [(c.index, c.text, c.done, c.metadata) for c in chunks] == [
+        (0, "df.groupby('a').sum()", True, {"source": "history"})
+    ]
+    assert backend.answers == ["df.head()\n"]  # the model was not asked
+    # In a ranked list it keeps the first place, scored; the model's samples follow.
+    backend = ScriptedEngine(["df.head()\n", "df.mean()\n"], env=BackendEnv(store=store))
+    chunks = [c async for c in backend.predict_next_cell(ctx, n=3)]
+    assert (chunks[0].index, chunks[0].text) == (0, "df.groupby('a').sum()")
+    assert [c.score is not None for c in chunks if c.index == 0] == [False, True]
+    rest = {c.text: c.metadata["source"] for c in chunks if c.index > 0}
+    assert len(rest) == 2 and "sampled" in rest.values() and chunks[0].text not in rest
+    assert backend.answers == []  # the model wrote the alternatives
+    store.close()
+
+
+async def test_history_that_disagrees_or_is_off_leaves_the_suggestion_to_the_model(tmp_path):
+    ctx = session()
+    stretch = [c.source for c in ctx.cells[-2:]]
+    # Three places, three different cells after the stretch: no one cell follows it.
+    store = followed_history(tmp_path, stretch, ["df.sum()", "df.mean()", "df.max()"])
+    backend = ScriptedEngine(["df.head()\n"], env=BackendEnv(store=store))
+    assert await next_cells(backend, ctx) == {0: "df.head()\n"}
+    store.close()
+    store = followed_history(tmp_path / "b", stretch, ["df.sum()"])
+    off = {"retrieval": {"continuation_cells": 0}}
+    backend = ScriptedEngine(["df.head()\n"], off, env=BackendEnv(store=store))
+    assert await next_cells(backend, ctx) == {0: "df.head()\n"}
+    store.close()
+
+
+async def test_preloading_indexes_the_history_and_a_history_that_fails_is_passed_over(tmp_path):
+    ctx = session()
+    stretch = [c.source for c in ctx.cells[-2:]]
+    store = followed_history(tmp_path, stretch, ["df.groupby('a').sum()"])
+    backend = ScriptedEngine([], env=BackendEnv(store=store))
+    backend.preload()  # (the server's start, for its default backend)
+    deadline = time.monotonic() + 60
+    while backend._retrieval_backend()._index is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert backend._retrieval_backend()._index is not None
+    assert await next_cells(backend, ctx) == {0: "df.groupby('a').sum()"}
+    store.close()
+
+    class BrokenStore:
+        def count_executions(self, *a):
+            raise sqlite3.DatabaseError("file is not a database")
+
+        list_trajectories = count_executions
+
+    backend = ScriptedEngine(["df.head()\n"], env=BackendEnv(store=BrokenStore()))
+    assert await next_cells(backend, ctx) == {0: "df.head()\n"}

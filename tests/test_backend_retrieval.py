@@ -205,3 +205,50 @@ async def test_large_index_refreshes_in_the_background(store):
     assert await suggestions(backend, ctx, n=5) == ["os.getcwd()"]
     await backend._refresh
     assert sorted(await suggestions(backend, ctx, n=5)) == ["os.getcwd()", "os.listdir('.')"]
+
+
+# -- what followed the same cells before ------------------------------------------------------
+
+
+async def test_what_followed_the_same_cells_before_comes_first(store):
+    stretch = ["import numpy as np", "x = np.arange(10)", "y = x ** 2"]
+    record(store, ["import os", *stretch, "y.mean()"])
+    # After cells that look the same to BM25 (it reads the newest two), a cell that uses a live
+    # variable: BM25 alone ranks it first.
+    for _ in range(3):
+        record(store, ["import pandas as pd", *stretch[1:], "total = y.cumsum().max()"])
+    ctx = build_context([{"source": s} for s in stretch], [{"name": "total", "type": "int"}])
+    three = {"continuation_cells": 3}
+    off = RetrievalPredictor({"continuation_cells": 0}, BackendEnv(store=store))
+    assert await suggestions(off, ctx, n=2) == ["total = y.cumsum().max()", "y.mean()"]
+    backend = RetrievalPredictor(three, BackendEnv(store=store))
+    assert await backend.continuation(ctx) == "y.mean()"
+    assert await suggestions(backend, ctx, n=2) == ["y.mean()", "total = y.cumsum().max()"]
+    # The default looks at the newest two cells, which ran before four times: three of them
+    # followed by the other cell, and three of four agree.
+    default = RetrievalPredictor({}, BackendEnv(store=store))
+    assert await default.continuation(ctx) == "total = y.cumsum().max()"
+    # Two of three places agree: enough. Two of four: not.
+    record(store, ["import os", *stretch, "y.mean()"])
+    record(store, ["import os", *stretch, "y.sum()"])
+    assert await backend.continuation(ctx) == "y.mean()"
+    record(store, ["import os", *stretch, "y.sum()"])
+    assert await backend.continuation(ctx) is None
+
+
+async def test_a_continuation_is_never_the_newest_cell_again_nor_only_comments(store):
+    stretch = ["df = load()", "df.plot()"]
+    record(store, [*stretch, "df.plot()", "# looks right"])
+    record(store, [*stretch, "# looks right"])
+    backend = RetrievalPredictor({}, BackendEnv(store=store))
+    assert await backend.continuation(build_context([{"source": s} for s in stretch])) is None
+    # Fewer cells than the stretch: nothing to match.
+    assert await backend.continuation(build_context([{"source": "df.plot()"}])) is None
+    # Whitespace does not make cells differ; a corpus notebook counts as a place too.
+    nb = {"cells": [{"cell_type": "code", "source": s} for s in [*stretch, "df.describe()"]]}
+    corpus = store.path.parent / "corpus"
+    corpus.mkdir()
+    (corpus / "a.ipynb").write_text(json.dumps(nb))
+    other = RetrievalPredictor({"history": False, "corpus_dir": str(corpus)}, BackendEnv())
+    spaced = build_context([{"source": "df = load()  \n"}, {"source": "\ndf.plot()"}])
+    assert await other.continuation(spaced) == "df.describe()"

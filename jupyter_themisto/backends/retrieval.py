@@ -2,8 +2,10 @@
 
 No network, no model weights. A next-cell candidate is a cell that was run after cells like
 the current ones, in any recorded trajectory or in a corpus notebook; candidates are ranked by
-bm25s against the latest cells and the names of the live variables. Outputs are predicted only
-where the runtime summary already holds the answer (a bare variable name, `len(x)`, `x.shape`).
+bm25s against the latest cells and the names of the live variables. When the newest cells ran
+in the same order before, what followed them there comes first (`continuation`); the local
+models' backends ask for it too. Outputs are predicted only where the runtime summary already
+holds the answer (a bare variable name, `len(x)`, `x.shape`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import keyword
+import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +28,13 @@ import numpy as np
 from pydantic import Field
 
 from ..context import PredictionContext, VariableInfo
+from ._text import code_lines
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 from .settings import BackendSettings
+
+# bm25s sets its own logger to DEBUG on import: "Building index from tokens" at every index
+# would reach any handler on the root logger (the server's log, `evaluate`'s console).
+logging.getLogger("bm25s").setLevel(logging.WARNING)
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Words that occur in almost every cell and say nothing about which cell comes next.
@@ -55,10 +64,22 @@ def _normalized(source: str) -> str:
 
 
 @dataclass
+class _Sequence:
+    """The code cells of one trajectory or corpus notebook, in order, as the index reads them."""
+
+    sources: list[str]
+    normalized: list[str]
+    documents: list[tuple[list[str], str]]
+
+
+@dataclass
 class _Index:
     retriever: bm25s.BM25 | None
     candidates: list[str]
     origins: list[str]
+    #: the cells that followed each stretch of `continuation_cells` cells (normalized), as
+    #: written, in the order found
+    followers: dict[tuple[str, ...], list[str]]
 
 
 def notebook_code_cells(path: Path) -> list[str]:
@@ -89,6 +110,13 @@ class RetrievalSettings(BackendSettings):
     context_cells: int = Field(
         2, ge=1, description="cells before a candidate that describe where it fits"
     )
+    continuation_cells: int = Field(
+        2,
+        ge=0,
+        description="when the newest this many cells ran in the same order before (in the"
+        " history or the corpus), the cell that followed them there is the first suggestion,"
+        " if at least 2 of 3 such places agree on it (0: off; see README for what it does)",
+    )
     sync_rebuild_seconds: float = Field(
         0.02,
         description="an index that took longer than this to build is refreshed in the"
@@ -112,8 +140,8 @@ class RetrievalPredictor(Predictor):
         self._index: _Index | None = None
         self._index_key: Any = None
         self._lock = threading.Lock()
-        self._corpus: list[tuple[str, list[tuple[list[str], str]]]] | None = None
-        self._history_docs: dict[str, tuple[int, list[tuple[list[str], str]]]] = {}
+        self._corpus: list[tuple[str, _Sequence]] | None = None
+        self._history_docs: dict[str, tuple[int, _Sequence]] = {}
         self._build_seconds = 0.0
         self._refresh: asyncio.Future[Any] | None = None
 
@@ -124,6 +152,9 @@ class RetrievalPredictor(Predictor):
         return {"ok": True, "detail": f"ranks cells from {source}"}
 
     # -- the index ---------------------------------------------------------------------------
+
+    def _sequence(self, cells: list[str]) -> _Sequence:
+        return _Sequence(cells, [_normalized(c) for c in cells], self._documents(cells))
 
     def _documents(self, cells: list[str]) -> list[tuple[list[str], str]]:
         """(tokens, candidate) for each cell of one sequence.
@@ -141,25 +172,25 @@ class RetrievalPredictor(Predictor):
                 out.append((tokens, cell))
         return out
 
-    def _sequences(self) -> Iterable[tuple[str, list[tuple[list[str], str]]]]:
+    def _sequences(self) -> Iterable[tuple[str, _Sequence]]:
         store = self.env.store
         if self.settings.history and store is not None:
-            # Documents of a trajectory are kept while its length is unchanged: a new
-            # execution re-reads only its own trajectory.
-            fresh: dict[str, tuple[int, list[tuple[list[str], str]]]] = {}
+            # A trajectory's cells are kept while its length is unchanged: a new execution
+            # re-reads only its own trajectory.
+            fresh: dict[str, tuple[int, _Sequence]] = {}
             for t in store.list_trajectories(limit=self.settings.max_trajectories):
                 cached = self._history_docs.get(t["id"])
                 if cached is None or cached[0] != t["n_executions"]:
                     rows = store.list_executions(t["id"])
                     sources = [r["source"] for r in rows if r["source"].strip()]
-                    cached = (t["n_executions"], self._documents(sources))
+                    cached = (t["n_executions"], self._sequence(sources))
                 fresh[t["id"]] = cached
                 yield f"trajectory {t['id']}", cached[1]
             self._history_docs = fresh
         if self.corpus_dir is not None:
             if self._corpus is None:
                 files = sorted(self.corpus_dir.rglob("*.ipynb")) if self.corpus_dir.is_dir() else []
-                self._corpus = [(str(p), self._documents(notebook_code_cells(p))) for p in files]
+                self._corpus = [(str(p), self._sequence(notebook_code_cells(p))) for p in files]
             yield from self._corpus
 
     def _context_tokens(self, before: list[str]) -> list[str]:
@@ -174,16 +205,20 @@ class RetrievalPredictor(Predictor):
         docs: list[list[str]] = []
         candidates: list[str] = []
         origins: list[str] = []
-        for origin, documents in self._sequences():
-            for tokens, cell in documents:
+        followers: dict[tuple[str, ...], list[str]] = {}
+        k = self.settings.continuation_cells
+        for origin, seq in self._sequences():
+            for tokens, cell in seq.documents:
                 docs.append(tokens)
                 candidates.append(cell)
                 origins.append(origin)
+            for j in range(k, len(seq.sources)) if k else ():
+                followers.setdefault(tuple(seq.normalized[j - k : j]), []).append(seq.sources[j])
         if not docs:
-            return _Index(None, [], [])
+            return _Index(None, [], [], followers)
         retriever = bm25s.BM25()
         retriever.index(docs, show_progress=False)
-        return _Index(retriever, candidates, origins)
+        return _Index(retriever, candidates, origins, followers)
 
     def _key(self) -> int:
         store = self.env.store
@@ -215,6 +250,33 @@ class RetrievalPredictor(Predictor):
         return self._index
 
     # -- next cell ---------------------------------------------------------------------------
+
+    async def continuation(self, ctx: PredictionContext) -> str | None:
+        """The cell that followed the newest `continuation_cells` cells where they ran in the
+        same order before (recorded trajectories, corpus notebooks), when at least 2 of 3 of
+        those places agree on it; None otherwise. Never the newest cell again, nor a cell of
+        only comments."""
+        k = self.settings.continuation_cells
+        if not k:
+            return None
+        return self._continuation(ctx, await self._fresh_index(), k)
+
+    @staticmethod
+    def _continuation(ctx: PredictionContext, idx: _Index, k: int) -> str | None:
+        code = [_normalized(c.source) for c in ctx.cells if c.cell_type == "code"]
+        code = [c for c in code if c]
+        found = idx.followers.get(tuple(code[-k:])) if len(code) >= k else None
+        if not found:
+            return None
+        counts = Counter(
+            key for key in map(_normalized, found) if key != code[-1] and code_lines(key)
+        )
+        if not counts:
+            return None
+        top, n = counts.most_common(1)[0]
+        if 3 * n < 2 * sum(counts.values()):
+            return None  # the places disagree: no one cell follows these
+        return next(f for f in found if _normalized(f) == top)
 
     def rank(
         self, ctx: PredictionContext, n: int, idx: _Index | None = None
@@ -258,7 +320,19 @@ class RetrievalPredictor(Predictor):
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
         idx = await self._fresh_index()
-        for i, (text, score) in enumerate(self.rank(ctx, max(1, n), idx)):
+        k = self.settings.continuation_cells
+        first = self._continuation(ctx, idx, k) if k else None
+        try:
+            ranked = self.rank(ctx, max(1, n), idx)
+        except NoPrediction:
+            if first is None:
+                raise
+            ranked = []
+        if first is not None:
+            # It ran after these very cells: first, scored as the best BM25 candidate.
+            top = max((score for _, score in ranked), default=1.0)
+            ranked = [(first, top)] + [r for r in ranked if _normalized(r[0]) != _normalized(first)]
+        for i, (text, score) in enumerate(ranked[: max(1, n)]):
             yield NextCellChunk(index=i, text=text, done=True, score=round(score, 4))
 
     # -- output ------------------------------------------------------------------------------
