@@ -74,7 +74,8 @@ def test_a_typo_is_refused_naming_backend_and_setting(name):
         (
             "preview",
             {"fallback": "retrieval", "fallback_config": {"histroy": True}},
-            "fallback_config: histroy: unknown setting (known: context_cells, corpus_dir",
+            "fallback_config: histroy: unknown setting"
+            " (known: context_cells, continuation_cells, corpus_dir",
         ),
         ("ret-train", {"max_trajectories": None}, "max_trajectories: Input should be a valid"),
     ],
@@ -90,7 +91,10 @@ def test_wrong_values_are_refused_naming_the_setting(name, settings, expected):
 def test_nested_known_settings_are_listed():
     with pytest.raises(InvalidSettings) as info:
         create_backend("llamacpp", {"retrieval": {"histroy": False}})
-    assert "(known: context_cells, corpus_dir, history, max_trajectories" in str(info.value)
+    assert (
+        "(known: context_cells, continuation_cells, corpus_dir, history, max_trajectories"
+        in str(info.value)
+    )
 
 
 def test_settings_must_be_a_mapping():
@@ -291,7 +295,8 @@ async def test_server_logs_refused_settings_and_answers_with_them(capfd, jp_fetc
     errors = [line for line in capfd.readouterr().err.splitlines() if "[E " in line]
     assert any(
         "ThemistoExtensionApp] themisto: retrieval backend settings: max_trajectorys: unknown"
-        " setting (known: context_cells, corpus_dir, history, max_trajectories" in e
+        " setting (known: context_cells, continuation_cells, corpus_dir, history, max_trajectories"
+        in e
         for e in errors
     ), errors
     assert any("'retreival', which is not an installed backend" in e for e in errors), errors
