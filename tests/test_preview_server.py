@@ -6,6 +6,7 @@ preview, a cell) is not taken for busy."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -204,8 +205,12 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         )
         await jp_fetch("api", "kernels", kernel_id, "restart", method="POST", body="")
         await wait_for(lambda: not preview_processes(pid), timeout=30)
-        with pytest.raises(HTTPClientError):
-            await task  # (the browser stops waiting when the kernel restarts)
+        # The browser stops waiting when the kernel restarts (test_ui). Whether this request
+        # has ended by then (its own 20 s, or the server's answer) is timing, not the point:
+        # two fresh-clone runs of the suite saw it end without an error.
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, HTTPClientError):
+            await task
         reply = await run_cell(jp_serverapp, kernel_id, "", user_expressions={"v": "'x' in dir()"})
         assert reply["user_expressions"]["v"]["data"]["text/plain"] == "False"
     finally:
