@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import Field
 
 from ..context import PredictionContext, VariableInfo
-from ._text import code_lines
+from ._text import code_lines, normalized
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 from .settings import BackendSettings
 
@@ -59,10 +59,6 @@ def tokenize(text: str) -> list[str]:
     return out
 
 
-def _normalized(source: str) -> str:
-    return "\n".join(line.rstrip() for line in source.strip().splitlines())
-
-
 @dataclass
 class _Sequence:
     """The code cells of one trajectory or corpus notebook, in order, as the index reads them."""
@@ -77,9 +73,9 @@ class _Index:
     retriever: bm25s.BM25 | None
     candidates: list[str]
     origins: list[str]
-    #: the cells that followed each stretch of `continuation_cells` cells (normalized), as
-    #: written, in the order found
-    followers: dict[tuple[str, ...], list[str]]
+    #: the cells that followed each stretch of `continuation_cells` cells (normalized), each
+    #: as (normalized, as written), in the order found
+    followers: dict[tuple[str, ...], list[tuple[str, str]]]
 
 
 def notebook_code_cells(path: Path) -> list[str]:
@@ -154,7 +150,7 @@ class RetrievalPredictor(Predictor):
     # -- the index ---------------------------------------------------------------------------
 
     def _sequence(self, cells: list[str]) -> _Sequence:
-        return _Sequence(cells, [_normalized(c) for c in cells], self._documents(cells))
+        return _Sequence(cells, [normalized(c) for c in cells], self._documents(cells))
 
     def _documents(self, cells: list[str]) -> list[tuple[list[str], str]]:
         """(tokens, candidate) for each cell of one sequence.
@@ -205,7 +201,7 @@ class RetrievalPredictor(Predictor):
         docs: list[list[str]] = []
         candidates: list[str] = []
         origins: list[str] = []
-        followers: dict[tuple[str, ...], list[str]] = {}
+        followers: dict[tuple[str, ...], list[tuple[str, str]]] = {}
         k = self.settings.continuation_cells
         for origin, seq in self._sequences():
             for tokens, cell in seq.documents:
@@ -213,7 +209,8 @@ class RetrievalPredictor(Predictor):
                 candidates.append(cell)
                 origins.append(origin)
             for j in range(k, len(seq.sources)) if k else ():
-                followers.setdefault(tuple(seq.normalized[j - k : j]), []).append(seq.sources[j])
+                after = (seq.normalized[j], seq.sources[j])
+                followers.setdefault(tuple(seq.normalized[j - k : j]), []).append(after)
         if not docs:
             return _Index(None, [], [], followers)
         retriever = bm25s.BM25()
@@ -263,20 +260,18 @@ class RetrievalPredictor(Predictor):
 
     @staticmethod
     def _continuation(ctx: PredictionContext, idx: _Index, k: int) -> str | None:
-        code = [_normalized(c.source) for c in ctx.cells if c.cell_type == "code"]
+        code = [normalized(c.source) for c in ctx.cells if c.cell_type == "code"]
         code = [c for c in code if c]
         found = idx.followers.get(tuple(code[-k:])) if len(code) >= k else None
         if not found:
             return None
-        counts = Counter(
-            key for key in map(_normalized, found) if key != code[-1] and code_lines(key)
-        )
+        counts = Counter(key for key, _ in found if key != code[-1] and code_lines(key))
         if not counts:
             return None
         top, n = counts.most_common(1)[0]
         if 3 * n < 2 * sum(counts.values()):
             return None  # the places disagree: no one cell follows these
-        return next(f for f in found if _normalized(f) == top)
+        return next(text for key, text in found if key == top)
 
     def rank(
         self, ctx: PredictionContext, n: int, idx: _Index | None = None
@@ -297,14 +292,14 @@ class RetrievalPredictor(Predictor):
         docs, scores = idx.retriever.retrieve(
             [query], k=k, show_progress=False, n_threads=1, return_as="tuple"
         )
-        last = _normalized(code[-1]) if code else None
+        last = normalized(code[-1]) if code else None
         seen: set[str] = set()
         out: list[tuple[str, float]] = []
         for d, s in zip(np.asarray(docs)[0], np.asarray(scores)[0], strict=True):
             if s <= 0:
                 break
             cand = idx.candidates[int(d)]
-            norm = _normalized(cand)
+            norm = normalized(cand)
             # Re-suggesting the cell just run, or one already offered, helps nobody.
             if norm == last or norm in seen:
                 continue
@@ -331,7 +326,7 @@ class RetrievalPredictor(Predictor):
         if first is not None:
             # It ran after these very cells: first, scored as the best BM25 candidate.
             top = max((score for _, score in ranked), default=1.0)
-            ranked = [(first, top)] + [r for r in ranked if _normalized(r[0]) != _normalized(first)]
+            ranked = [(first, top)] + [r for r in ranked if normalized(r[0]) != normalized(first)]
         for i, (text, score) in enumerate(ranked[: max(1, n)]):
             yield NextCellChunk(index=i, text=text, done=True, score=round(score, 4))
 
