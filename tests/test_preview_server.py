@@ -6,7 +6,6 @@ preview, a cell) is not taken for busy."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
@@ -205,17 +204,37 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         )
         await jp_fetch("api", "kernels", kernel_id, "restart", method="POST", body="")
         await wait_for(lambda: not preview_processes(pid), timeout=30)
-        # The browser stops waiting when the kernel restarts (test_ui). Whether this request
-        # has ended by then (its own 20 s, or the server's answer) is timing, not the point:
-        # two fresh-clone runs of the suite saw it end without an error.
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, HTTPClientError):
-            await task
+        # The request is answered (within its 20 s, not the preview's 50): that kernel will
+        # never reply. (The old kernel may still have cancelled it itself while shutting down.)
+        events = parse_sse((await task).body.decode())
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert len(reasons) == 1 and reasons[0].startswith("preview cancelled"), events
         reply = await run_cell(jp_serverapp, kernel_id, "", user_expressions={"v": "'x' in dir()"})
         assert reply["user_expressions"]["v"]["data"]["text/plain"] == "False"
+        # and the new kernel previews at once (nothing of the old preview holds it)
+        events = await predict(jp_fetch, kernel_id, "print('again')")
+        assert "".join(d["text"] for n, d in events if n == "chunk") == "again\n", events
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
     assert not any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
+
+
+@pytest.mark.parametrize("preview_timeout", [50.0])
+async def test_a_preview_whose_kernel_is_shut_down_is_answered_at_once(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path
+):
+    """The kernel is shut down while its preview runs: the request is answered within seconds
+    (not after the preview's 50 s), and nothing the preview started is left running."""
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
+    task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeout=30)
+    started = time.monotonic()
+    await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+    events = parse_sse((await task).body.decode())
+    reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+    assert len(reasons) == 1 and reasons[0].startswith("preview cancelled"), events
+    assert time.monotonic() - started < 25
+    await wait_for(lambda: not preview_processes(pid), timeout=20)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 @pytest.mark.parametrize("preview_timeout", [50.0])

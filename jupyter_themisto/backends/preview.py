@@ -36,6 +36,12 @@ from .settings import BackendSettings, problems
 _CANCEL_SECONDS = 10.0
 
 
+def _process(kernel: Any) -> Any:
+    """The kernel's local process (a Popen), or None when its provisioner has none to show
+    (a remote or gateway kernel)."""
+    return getattr(getattr(kernel, "provisioner", None), "process", None)
+
+
 class PreviewSettings(BackendSettings):
     timeout: float = Field(
         50.0,
@@ -189,6 +195,23 @@ class PreviewPredictor(Predictor):
                 return str(state)
             await asyncio.sleep(0.01)
 
+    @staticmethod
+    async def _reply(kernel: Any, work: asyncio.Future[dict]) -> dict:
+        """The kernel's reply that `work` waits for; NoPrediction as soon as the kernel's
+        process ends or is replaced first (a restart, a shutdown): that kernel will never
+        answer, and waiting the preview's whole bound would hold its lock as long."""
+        process = _process(kernel)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(work), 0.25)
+            except asyncio.TimeoutError:
+                if process is not None and (
+                    _process(kernel) is not process or process.returncode is not None
+                ):
+                    raise NoPrediction(
+                        "preview cancelled: the kernel restarted or shut down"
+                    ) from None
+
     async def run_preview(self, kernel_id: str, source: str) -> dict[str, Any]:
         """The kernel's preview reply for `source` (see kernel/preview.py for its fields)."""
         kernel = self._kernel(kernel_id)
@@ -204,7 +227,7 @@ class PreviewPredictor(Predictor):
         try:
             wait = _CANCEL_SECONDS + 5 if ending else max(self.settings.busy_wait, 0.1)
             await asyncio.wait_for(lock.acquire(), wait)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise NoPrediction("kernel busy: another preview is running") from None
         try:
             if ending and (state := await self._idle_state(kernel, _CANCEL_SECONDS)) != "idle":
@@ -236,7 +259,10 @@ class PreviewPredictor(Predictor):
                 )
             )
             try:
-                msg = await asyncio.shield(work)
+                msg = await self._reply(kernel, work)
+            except NoPrediction:
+                abandon.set()  # (that kernel will never answer)
+                raise
             except asyncio.CancelledError:
                 # The request was cancelled: so is the preview in the kernel, which then
                 # answers at once; the lock is held until it has (the kernel is idle again).
