@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 
 import nbformat
@@ -220,15 +221,20 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
 
 
 @pytest.mark.parametrize("preview_timeout", [50.0])
-async def test_a_preview_whose_kernel_is_shut_down_is_answered_at_once(
-    jp_fetch, jp_serverapp, jp_root_dir, store_path
+@pytest.mark.parametrize("end", ["shut down", "killed"])
+async def test_a_preview_whose_kernel_ends_is_answered_at_once(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path, end
 ):
-    """The kernel is shut down while its preview runs: the request is answered within seconds
-    (not after the preview's 50 s), and nothing the preview started is left running."""
+    """The kernel is shut down, or killed (the server restarts it), while its preview runs:
+    the request is answered within seconds (not after the preview's 50 s), and nothing the
+    preview started is left running."""
     kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
     task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeout=30)
     started = time.monotonic()
-    await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+    if end == "shut down":
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+    else:
+        os.kill(pid, signal.SIGKILL)
     events = parse_sse((await task).body.decode())
     reasons = [d["reason"] for n, d in events if n == "no_prediction"]
     assert len(reasons) == 1 and reasons[0].startswith("preview cancelled"), events
