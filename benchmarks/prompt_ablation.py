@@ -116,7 +116,7 @@ async def run_variant(
             try:
                 async for chunk in backend.predict_next_cell(ctx, n=1):
                     if chunk.index == 0:
-                        text += chunk.text
+                        text = ("" if chunk.replace else text) + chunk.text
             except NoPrediction:
                 pass
             row = {

@@ -24,8 +24,11 @@ PLUGIN = textwrap.dedent(
         async def predict_next_cell(self, ctx, *, n=1):
             last = ctx.cells[-1].source if ctx.cells else ""
             prefix = self.config.get("prefix", "")
+            # (an early answer first, which the first suggestion replaces)
+            yield NextCellChunk(index=0, text="early")
             for i in range(n):
-                yield NextCellChunk(index=i, text=prefix + last, done=True, score=1.0 / (i + 1))
+                text, score = prefix + last, 1.0 / (i + 1)
+                yield NextCellChunk(index=i, text=text, done=True, score=score, replace=i == 0)
 
         async def predict_output(self, ctx):
             yield OutputChunk(text=(ctx.target_source or "").upper())
@@ -82,6 +85,7 @@ async def test_server_serves_the_plugin_backend(jp_fetch, store_path):
     text = r.body.decode()
     assert '"backend": "echo"' in text
     assert text.count('"text": "# again\\nprint(\'hi\')"') == 2
+    assert '"text": "early", "done": false}' in text and text.count('"replace": true') == 1
     r = await post(jp_fetch, "output", {"trajectory_id": tid, "source": "abc"})
     assert '"text": "ABC"' in r.body.decode()
     store.close()

@@ -21,13 +21,16 @@ class NextCellChunk:
     """A piece of a streamed next-cell suggestion.
 
     Suggestions are numbered by rank (`index` 0 is the best). A backend streams text for a
-    suggestion as deltas to append; the chunk with `done=True` closes that suggestion.
+    suggestion as deltas to append; the chunk with `done=True` closes that suggestion. A chunk
+    with `replace=True` replaces what came for its suggestion so far (a stand-in shown while
+    the model was slower gives way to the model's answer).
     """
 
     index: int
     text: str
     done: bool = False
     score: float | None = None
+    replace: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
 
 

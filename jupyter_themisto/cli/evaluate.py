@@ -206,6 +206,8 @@ async def _predict(backend: Any, task: str, ctx: Any) -> str:
     if task == "next-cell":
         async for chunk in backend.predict_next_cell(ctx, n=1):
             if chunk.index == 0:
+                if chunk.replace:
+                    parts.clear()  # (a stand-in gave way to the model's answer)
                 parts.append(chunk.text)
     else:
         async for chunk in backend.predict_output(ctx):

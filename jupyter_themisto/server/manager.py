@@ -591,6 +591,8 @@ class ThemistoManager:
             data: dict[str, Any] = {"index": chunk.index, "text": chunk.text, "done": chunk.done}
             if chunk.score is not None:
                 data["score"] = chunk.score
+            if chunk.replace:
+                data["replace"] = True
             return Event("chunk", data)
         data = {"text": chunk.text}
         if chunk.metadata:

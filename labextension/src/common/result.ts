@@ -40,7 +40,8 @@ export function addEvent(result: IPredictionResult, task: Task, item: PredictEve
           result.suggestions.push(suggestion);
           result.suggestions.sort((a, b) => a.index - b.index);
         }
-        suggestion.text += item.data.text ?? '';
+        // (an early answer, shown while the model was slower, gives way to the model's)
+        suggestion.text = (item.data.replace ? '' : suggestion.text) + (item.data.text ?? '');
         suggestion.done = !!item.data.done;
         if (item.data.score !== undefined && item.data.score !== null) {
           suggestion.score = item.data.score;

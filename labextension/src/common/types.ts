@@ -71,6 +71,8 @@ export interface INextCellChunk {
   text: string;
   done: boolean;
   score?: number | null;
+  /** The text replaces what came for this suggestion so far (an early answer gives way). */
+  replace?: boolean;
 }
 
 export interface IOutputChunk {

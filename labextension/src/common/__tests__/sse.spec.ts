@@ -242,6 +242,25 @@ describe('streamPrediction over HTTP', () => {
     });
   });
 
+  it('lets a chunk marked replace take the place of an early answer', async () => {
+    server.handler = (req, res) => {
+      startThemistoStream(res);
+      res.write(themistoEvent('meta', { backend: 'loopback', request_id: 'r1' }));
+      res.write(themistoEvent('chunk', { index: 0, text: 'df.sum()', done: false }));
+      res.write(themistoEvent('chunk', { index: 0, text: 'df.desc', done: false, replace: true }));
+      res.write(themistoEvent('chunk', { index: 0, text: 'ribe()', done: true }));
+      res.end(themistoEvent('done', { backend: 'loopback', elapsed_ms: 2 }));
+    };
+    const updates: (string | null)[] = [];
+    const result = await predict('next-cell', undefined, update => {
+      updates.push(update.suggestions[0]?.text ?? null);
+    });
+    expect(updates).toEqual([null, 'df.sum()', 'df.desc', 'df.describe()', 'df.describe()']);
+    expect(result.suggestions).toEqual([
+      { index: 0, text: 'df.describe()', done: true, score: null }
+    ]);
+  });
+
   it('streams an output prediction with the note of a backend that stood in', async () => {
     const metadata = { preview: { stopped: ['write files'], fallback: 'openai' } };
     server.handler = (req, res) => {
