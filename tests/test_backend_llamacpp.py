@@ -64,7 +64,7 @@ async def next_cells(backend, ctx, n=1):
     texts: dict[int, str] = {}
     done: list[int] = []
     async for c in backend.predict_next_cell(ctx, n=n):
-        texts[c.index] = ("" if c.replace else texts.get(c.index, "")) + c.text
+        texts[c.index] = texts.get(c.index, "") + c.text
         if c.done:
             done.append(c.index)
     assert sorted(done) == sorted(texts)
@@ -449,21 +449,16 @@ class ScriptedEngine(LocalModelPredictor):
 
     name = "scripted"
 
-    def __init__(
-        self, answers: list[str], settings: dict | None = None, env=None, delay: float = 0.0
-    ) -> None:
-        # (the early answer, which depends on time, is tested alone)
-        super().__init__({"early_answer_ms": 0, **(settings or {})}, env)
+    def __init__(self, answers: list[str], settings: dict | None = None, env=None) -> None:
+        super().__init__(settings or {}, env)
         self.answers = list(answers)
         self.model = SharedModel(None, 0.0)
-        self.delay = delay  # seconds before each answer's first piece
 
     def shared(self):
         return self.model
 
     def produce(self, model, job, cancelled):
         text = self.answers.pop(0) if self.answers else ""
-        time.sleep(self.delay)
         for i in range(0, len(text), 3):
             yield text[i : i + 3]
 
@@ -676,60 +671,3 @@ async def test_preloading_indexes_the_history_and_a_history_that_fails_is_passed
 
     backend = ScriptedEngine(["df.head()\n"], env=BackendEnv(store=BrokenStore()))
     assert await next_cells(backend, ctx) == {0: "df.head()\n"}
-
-
-# -- the early answer: the retrieval backend's cell while the model is slow ------------------------
-
-
-async def test_a_slow_models_answer_replaces_the_cell_retrieval_shows_first(tmp_path):
-    ctx = session()
-    stretch = [c.source for c in ctx.cells[-2:]]
-    # (three different followers: no continuation answers in the model's place)
-    store = followed_history(tmp_path, stretch, ["df.sum()", "df.mean()", "df.max()"])
-    early = {"early_answer_ms": 100}
-    env = BackendEnv(store=store)
-    backend = ScriptedEngine(["df.describe()\n"], early, env, delay=1.5)
-    chunks = [c async for c in backend.predict_next_cell(ctx)]
-    first = chunks[0]
-    assert first.index == 0 and not first.done and first.metadata == {"source": "retrieved"}
-    assert first.text in ("df.sum()", "df.mean()", "df.max()") and not first.replace
-    replacing = [c for c in chunks if c.replace]
-    assert len(replacing) == 1 and replacing[0] is chunks[1]
-    assert replacing[0].text and "df.describe()\n".startswith(replacing[0].text)
-    assert await next_cells(ScriptedEngine(["df.describe()\n"], early, env, 1.5), ctx) == {
-        0: "df.describe()\n"
-    }
-
-    # The model has nothing worth showing (a comment, the cell just run again): it stays.
-    previous = ctx.cells[-1].source
-    backend = ScriptedEngine(["# a comment\n", previous + "\n", previous], early, env, 0.5)
-    chunks = [c async for c in backend.predict_next_cell(ctx)]
-    assert chunks[0].metadata == {"source": "retrieved"} and chunks[-1].done
-    assert not any(c.replace and c.text != chunks[0].text for c in chunks)
-    assert (await next_cells(ScriptedEngine([previous], early, env, 0.5), ctx))[0] == first.text
-
-    # A model that answers in time (5 s: a loaded machine too), or the setting 0: none.
-    for settings, delay in (({"early_answer_ms": 5000}, 0.0), ({"early_answer_ms": 0}, 1.0)):
-        backend = ScriptedEngine(["df.describe()\n"], settings, env, delay)
-        chunks = [c async for c in backend.predict_next_cell(ctx)]
-        assert "".join(c.text for c in chunks) == "df.describe()\n"
-        assert not any(c.replace or c.metadata.get("source") == "retrieved" for c in chunks)
-    store.close()
-
-
-async def test_no_early_answer_without_a_history_and_a_continuation_stays_unchanged(tmp_path):
-    ctx = session()
-    backend = ScriptedEngine(["df.describe()\n"], {"early_answer_ms": 50}, delay=1.0)
-    chunks = [c async for c in backend.predict_next_cell(ctx)]
-    assert "".join(c.text for c in chunks) == "df.describe()\n" and not any(
-        c.replace for c in chunks
-    )
-    # The history's continuation is the retrieval backend's first cell too: shown early when
-    # the index takes long to build, it is not replaced by itself.
-    stretch = [c.source for c in ctx.cells[-2:]]
-    store = followed_history(tmp_path, stretch, ["df.groupby('a').sum()"] * 2)
-    backend = ScriptedEngine([], {"early_answer_ms": 1}, env=BackendEnv(store=store))
-    chunks = [c async for c in backend.predict_next_cell(ctx)]
-    assert "".join(c.text for c in chunks) == "df.groupby('a').sum()"
-    assert not any(c.replace for c in chunks) and chunks[-1].done
-    store.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import os
 import threading
 import time
@@ -285,13 +284,6 @@ class LocalModelSettings(PromptSettings):
         0.8, ge=0, description="the 2nd… suggestions of a ranked list are sampled at this"
     )
     seed: int = Field(0, description="sampling seed")
-    early_answer_ms: int = Field(
-        150,
-        ge=0,
-        description="when nothing of the model's first suggestion has come this many ms after"
-        " it was asked for, the cell the `retrieval` backend ranks first is shown meanwhile;"
-        " the model's first text replaces it, and it stays if the model has nothing (0: off)",
-    )
     retrieval: RetrievalSettings | None = Field(
         None,
         description="settings of the `retrieval` backend whose cells join a ranked list of"
@@ -479,76 +471,7 @@ class LocalModelPredictor(Predictor):
         (`ranking.rank`: deduplicated, degenerate ones dropped, scored by consensus); index 0
         keeps its place (it is on screen already) and gets its score. A machine too busy to
         answer within the time gets no further attempts.
-
-        When nothing of the first suggestion has come `early_answer_ms` after it was asked
-        for (the model loading, a prompt evaluated cold, an answer held back), the cell the
-        `retrieval` backend ranks first is shown meanwhile (see `_early_answer`).
         """
-        chunks = self._suggestions(ctx, n)
-        if self.settings.early_answer_ms > 0:
-            chunks = self._early_answer(ctx, chunks)
-        async for chunk in chunks:
-            yield chunk
-
-    async def _early_answer(
-        self, ctx: PredictionContext, chunks: AsyncGenerator[NextCellChunk, None]
-    ) -> AsyncGenerator[NextCellChunk, None]:
-        """`chunks`, with the retrieval backend's first cell shown while the model is slow.
-
-        When no chunk has come within `early_answer_ms`, the cell the `retrieval` backend ranks
-        first (not the cell just run again, not only comments) is shown as the first
-        suggestion, not done. The model's first text for it replaces it (`replace`): the
-        model's answer scores better on the corpus. When the model has nothing worth showing,
-        the early answer stays (done).
-        """
-        pending: asyncio.Future[NextCellChunk] = asyncio.ensure_future(anext(chunks))
-        early: str | None = None
-        try:
-            done, _ = await asyncio.wait({pending}, timeout=self.settings.early_answer_ms / 1000)
-            if not done:
-                early = await self._retrieved_first(ctx)
-                if early is not None:
-                    yield NextCellChunk(index=0, text=early, metadata={"source": "retrieved"})
-            while True:
-                try:
-                    chunk = await pending
-                except StopAsyncIteration:
-                    break
-                except NoPrediction:
-                    if early is None:
-                        raise
-                    yield NextCellChunk(index=0, text="", done=True)  # it stays
-                    break
-                if early is not None and chunk.index == 0 and chunk.text:
-                    # (the same cell whole, as a continuation from the history: it stays)
-                    same = chunk.done and chunk.text == early
-                    chunk = replace(chunk, text="") if same else replace(chunk, replace=True)
-                    early = None
-                yield chunk
-                pending = asyncio.ensure_future(anext(chunks))
-            if early is not None:  # (the model's chunks ended with nothing of it)
-                yield NextCellChunk(index=0, text="", done=True)
-        finally:
-            if not pending.done():
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
-            await chunks.aclose()
-
-    async def _retrieved_first(self, ctx: PredictionContext) -> str | None:
-        """The first cell the `retrieval` backend finds that is worth showing, or None."""
-        previous = _previous_cell(ctx)
-        try:
-            found = await self._retrieved(ctx, 3)
-        except Exception as e:  # noqa: BLE001 - the model still answers
-            self.env.log.warning("themisto: %s: reading the history failed: %s", self.name, e)
-            return None
-        return next((c.text for c in found if degenerate_reason(c.text, previous) is None), None)
-
-    async def _suggestions(
-        self, ctx: PredictionContext, n: int
-    ) -> AsyncGenerator[NextCellChunk, None]:
-        """predict_next_cell without the early answer."""
         model = await self._model()
         prompt = self.next_cell_prompt(ctx, model)
         followed = await self._continuation(ctx)

@@ -76,6 +76,13 @@ class ThemistoExtensionApp(ExtensionApp):
         "(`after_execution_count`) waits for that execution to be recorded; past it the "
         "request is answered 404 saying which execution is missing.",
     ).tag(config=True)
+    early_answer_ms = Float(
+        150.0,
+        help="When nothing of a model backend's first next-cell suggestion has come this many "
+        "milliseconds after it was asked for (a model loading or reading a cold prompt, a remote "
+        "API's round trip), the cell the `retrieval` backend ranks first is shown meanwhile; the "
+        "model's first text replaces it, and it stays when the model has nothing (0: off).",
+    ).tag(config=True)
     auto_record = Bool(
         True,
         help="Record in every Python kernel this server starts, from its first request: "
@@ -95,7 +102,7 @@ class ThemistoExtensionApp(ExtensionApp):
             raise ValueError(f"{proposal['trait'].name} must be > 0")
         return proposal["value"]
 
-    @validate("snapshot_wait", "execution_wait")
+    @validate("snapshot_wait", "execution_wait", "early_answer_ms")
     def _not_negative(self, proposal: Any) -> float:
         if proposal["value"] < 0:
             raise ValueError(f"{proposal['trait'].name} must be >= 0")
@@ -127,6 +134,7 @@ class ThemistoExtensionApp(ExtensionApp):
             max_page=self.max_page_size,
             snapshot_wait=self.snapshot_wait,
             execution_wait=self.execution_wait,
+            early_answer=self.early_answer_ms / 1000,
         )
         self.auto_recorder = AutoRecorder(
             self.serverapp,

@@ -25,6 +25,7 @@ from ..backends import (
     load_backend_class,
     settings_schema,
 )
+from ..backends._text import degenerate_reason
 from ..context import (
     DEFAULT_MAX_OUTPUT_CHARS,
     DEFAULT_TOKEN_BUDGET,
@@ -35,6 +36,7 @@ from ..context import (
 from ..redaction import StoreRedactor, redact_variable
 from ..references import reference_pickle
 from ..store import TrajectoryStore
+from .early import with_early_answer
 from .models import NextCellRequest, OutputRequest
 
 T = TypeVar("T")
@@ -79,6 +81,7 @@ class ThemistoManager:
         max_page: int = 1000,
         snapshot_wait: float = 2.0,
         execution_wait: float = 5.0,
+        early_answer: float = 0.15,
     ) -> None:
         self.store = store
         self.default_backend = default_backend
@@ -91,6 +94,7 @@ class ThemistoManager:
         self.max_page = max_page
         self.snapshot_wait = snapshot_wait
         self.execution_wait = execution_wait
+        self.early_answer = early_answer
         # SQLite calls block: they run here, off the event loop, so that a slow or locked store
         # delays the request that reads it and never the rest of the server.
         self._store_threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="themisto-store")
@@ -539,6 +543,10 @@ class ThemistoManager:
         agen: Any  # an async generator of NextCellChunk or OutputChunk
         if isinstance(req, NextCellRequest):
             agen = backend.predict_next_cell(ctx, n=req.n)
+            if self.early_answer > 0 and name != "retrieval":
+                agen = with_early_answer(
+                    agen, functools.partial(self._retrieved_first, ctx), self.early_answer
+                )
         else:
             agen = backend.predict_output(ctx)
         meta = Event("meta", {"backend": name})
@@ -555,6 +563,18 @@ class ThemistoManager:
             await agen.aclose()
             raise
         return meta, self._rest(agen, first, deadline, task, name, started)
+
+    async def _retrieved_first(self, ctx: PredictionContext) -> str | None:
+        """The first cell the `retrieval` backend suggests that is worth showing (not the cell
+        just run again, not only comments), or None (the early answer)."""
+        previous = next((c.source for c in reversed(ctx.cells) if c.cell_type == "code"), None)
+        try:
+            async for chunk in self.backend("retrieval").predict_next_cell(ctx, n=3):
+                if chunk.text and degenerate_reason(chunk.text, previous) is None:
+                    return chunk.text
+        except Exception as e:  # noqa: BLE001 - the model answers all the same
+            self.log.debug("themisto: no early answer: %s", e)
+        return None
 
     async def _next(self, agen: Any, deadline: float, task: Task) -> Event | None:
         remaining = deadline - time.perf_counter()
