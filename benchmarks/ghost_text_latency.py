@@ -9,7 +9,14 @@ MutationObserver timestamps both. The figure includes waiting for the cell just 
 answered and recorded (the request names the execution it follows; the server answers once
 that is recorded). Target: <= 300 ms.
 
+The earlier trajectory is the same cells with other names and numbers (`--history same`: the
+very same cells, which the history's continuation answers at once, without the model). With a
+model backend, a ghost text may first be the early answer (the retrieval backend's cell, sent
+when the model's first text is slower than `early_answer_ms`), then the model's suggestion: the
+script prints when the first ghost text appeared, and when the text that stayed began.
+
     .venv/bin/python benchmarks/ghost_text_latency.py [--cells 12] [--backends retrieval,llamacpp]
+        [--history other|same]
 """
 
 from __future__ import annotations
@@ -42,25 +49,61 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=12, help="cells to run (default 12)")
     parser.add_argument("--backends", default="retrieval,llamacpp")
+    parser.add_argument("--history", choices=("other", "same"), default="other")
     args = parser.parse_args()
-    cells = [f"x{i} = {i} * 2" if i % 2 else f"print(x{i - 1} + {i})" for i in range(1, args.cells)]
-    cells.insert(0, "import math")
+    cells = session(args.cells, "x", 2, "+")
+    earlier = cells if args.history == "same" else session(args.cells, "y", 3, "-")
     check_installed_build(ROOT)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     for backend in args.backends.split(","):
-        measure(backend, cells)
+        measure(backend, cells, earlier)
 
 
-def measure(backend: str, cells: list[str]) -> None:
+def session(n: int, name: str, factor: int, op: str) -> list[str]:
+    cells = [
+        f"{name}{i} = {i} * {factor}" if i % 2 else f"print({name}{i - 1} {op} {i})"
+        for i in range(1, n)
+    ]
+    return ["import math", *cells]
+
+
+#: Every distinct ghost text of the active cell, with its time (performance.now()).
+GHOST_TEXTS_JS = """() => {
+  const seen = (window.__themistoGhostTexts = []);
+  new MutationObserver(() => {
+    const ghost = document.querySelector('.jp-Cell.jp-mod-active .jp-GhostText');
+    const text = ghost ? ghost.textContent : '';
+    if (text && (!seen.length || seen[seen.length - 1][1] !== text)) {
+      seen.push([performance.now(), text]);
+    }
+  }).observe(document.body, { subtree: true, childList: true, characterData: true });
+}"""
+
+
+def stayed_since(texts: list[list]) -> float:
+    """When the ghost text that stayed (the last) began: the first of the run of texts that
+    each begin the last one (a replaced early answer does not)."""
+    last = texts[-1][1]
+    since = texts[-1][0]
+    for t, text in reversed(texts):
+        if not last.startswith(text):
+            break
+        since = t
+    return since
+
+
+def measure(backend: str, cells: list[str], earlier: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lab = JupyterLab(Path(tmp), [f"--ThemistoExtensionApp.default_backend={backend}"])
         lab.store_path.parent.mkdir(parents=True)
         store = TrajectoryStore(lab.store_path)
         tid = store.create_trajectory(notebook_path="earlier.ipynb")
-        for source in cells:
+        for source in earlier:
             store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
         lab.start()
         latencies: list[float] = []
+        stayed: list[float] = []  # when the ghost text that stayed began
+        replaced = 0  # new cells whose first ghost text (an early answer) was replaced
         texts: list[str] = []
         misses = 0
         try:
@@ -89,6 +132,7 @@ def measure(backend: str, cells: list[str]) -> None:
                     page.keyboard.type(source)
                     if i > 0:
                         page.evaluate(GHOST_TIMING_JS)
+                        page.evaluate(GHOST_TEXTS_JS)
                     page.keyboard.press("Shift+Enter")
                     prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
                     expect(prompt).to_have_text(re.compile(r"\[\d+\]"))
@@ -104,9 +148,13 @@ def measure(backend: str, cells: list[str]) -> None:
                         continue
                     t = page.evaluate("() => window.__themistoTiming")
                     latencies.append(t["ghostAt"] - t["activeAt"])
-                    page.wait_for_timeout(1500)  # let the suggestion stream in before the next
+                    page.wait_for_timeout(6000)  # the whole suggestion (5 s at most)
                     ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")
                     texts.append(ghost.first.inner_text() if ghost.count() else "")
+                    seen = page.evaluate("() => window.__themistoGhostTexts")
+                    if seen:
+                        stayed.append(stayed_since(seen) - t["activeAt"])
+                        replaced += stayed[-1] > seen[0][0] - t["activeAt"]
                 browser.close()
         finally:
             lab.stop()
@@ -116,6 +164,13 @@ def measure(backend: str, cells: list[str]) -> None:
         print(
             f"  median {statistics.median(latencies):.0f} ms, p90 {qs[-1]:.0f} ms, "
             f"min {min(latencies):.0f} ms, max {max(latencies):.0f} ms (target <= 300 ms)"
+        )
+    if stayed:
+        qs = statistics.quantiles(stayed, n=10) if len(stayed) > 1 else stayed * 9
+        print(
+            f"  the text that stayed began: median {statistics.median(stayed):.0f} ms, p90"
+            f" {qs[-1]:.0f} ms; an early answer shown first and replaced in {replaced} of"
+            f" {len(stayed)}"
         )
     for source, text in list(zip(cells[1:], texts, strict=False))[:3]:
         print(f"  after {source!r}: {text!r}")
