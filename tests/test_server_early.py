@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from jupyter_themisto.backends import create_backend
 from tests.helpers import parse_sse, post, server_config, wait_for
 from tests.peers import Fault, OpenAIPeer
 
@@ -153,3 +154,13 @@ async def test_going_away_during_the_early_answer_stops_the_model_upstream(
     writer.close()
     await wait_for(lambda: manager.cancelled and peer.disconnects)
     assert manager.cancelled == 1 and peer.disconnects == ["/v1/chat/completions"]
+
+
+async def test_the_local_models_history_is_the_servers_retrieval_backend(jp_fetch, jp_serverapp):
+    """One index of the history per server: the early answer's and the local model's
+    continuation (unless the model's settings name retrieval settings of their own)."""
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    retrieval = manager.backend("retrieval")
+    assert manager.backend("llamacpp")._retrieval_backend() is retrieval
+    own = create_backend("llamacpp", {"retrieval": {"continuation_cells": 0}}, retrieval.env)
+    assert own._retrieval_backend() is not retrieval

@@ -597,9 +597,16 @@ class LocalModelPredictor(Predictor):
             raise NoPrediction(f"the {self.name} model suggested nothing worth showing ({reasons})")
 
     def _retrieval_backend(self) -> RetrievalPredictor:
-        """The `retrieval` backend over the same history (its settings under `retrieval`)."""
+        """The `retrieval` backend over the same history: the host's own (a server's, whose
+        index it then shares with the early answer) unless settings are given under
+        `retrieval`."""
         if self._retrieval is None:
             given = self.settings.retrieval
+            if given is None and self.env.lookup is not None:
+                host = self.env.lookup("retrieval")
+                if isinstance(host, RetrievalPredictor):
+                    self._retrieval = host
+                    return host
             own = given.model_dump(exclude_unset=True) if given is not None else {}
             self._retrieval = RetrievalPredictor(own, self.env)
         return self._retrieval
