@@ -16,7 +16,7 @@ when the model's first text is slower than `early_answer_ms`), then the model's 
 script prints when the first ghost text appeared, and when the text that stayed began.
 
     .venv/bin/python benchmarks/ghost_text_latency.py [--cells 12] [--backends retrieval,llamacpp]
-        [--history other|same]
+        [--history other|same] [--early-answer-ms MS]
 """
 
 from __future__ import annotations
@@ -50,13 +50,16 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=12, help="cells to run (default 12)")
     parser.add_argument("--backends", default="retrieval,llamacpp")
     parser.add_argument("--history", choices=("other", "same"), default="other")
+    parser.add_argument(
+        "--early-answer-ms", type=float, default=None, help="the server's early_answer_ms"
+    )
     args = parser.parse_args()
     cells = session(args.cells, "x", 2, "+")
     earlier = cells if args.history == "same" else session(args.cells, "y", 3, "-")
     check_installed_build(ROOT)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     for backend in args.backends.split(","):
-        measure(backend, cells, earlier)
+        measure(backend, cells, earlier, args.early_answer_ms)
 
 
 def session(n: int, name: str, factor: int, op: str) -> list[str]:
@@ -92,9 +95,14 @@ def stayed_since(texts: list[list]) -> float:
     return since
 
 
-def measure(backend: str, cells: list[str], earlier: list[str]) -> None:
+def measure(
+    backend: str, cells: list[str], earlier: list[str], early_answer_ms: float | None
+) -> None:
+    argv = [f"--ThemistoExtensionApp.default_backend={backend}"]
+    if early_answer_ms is not None:
+        argv.append(f"--ThemistoExtensionApp.early_answer_ms={early_answer_ms}")
     with tempfile.TemporaryDirectory() as tmp:
-        lab = JupyterLab(Path(tmp), [f"--ThemistoExtensionApp.default_backend={backend}"])
+        lab = JupyterLab(Path(tmp), argv)
         lab.store_path.parent.mkdir(parents=True)
         store = TrajectoryStore(lab.store_path)
         tid = store.create_trajectory(notebook_path="earlier.ipynb")

@@ -20,10 +20,11 @@ T = TypeVar("T")
 
 def server_config(**themisto: Any) -> dict[str, Any]:
     """A jp_server_config with the extension enabled; `themisto` overrides its traitlets
-    (auto-record is off unless a test turns it on)."""
+    (auto-record is off unless a test turns it on; so is the early answer, which depends on
+    time: test_server_early.py and the browser tests have it)."""
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_themisto": True}},
-        "ThemistoExtensionApp": {"auto_record": False, **themisto},
+        "ThemistoExtensionApp": {"auto_record": False, "early_answer_ms": 0.0, **themisto},
     }
 
 

@@ -27,7 +27,6 @@ def jp_server_config(store_path, peer):
     return server_config(
         default_backend="retrieval",  # the server's choice is tested in test_routing.py
         prediction_timeout=5.0,
-        early_answer_ms=0.0,  # (failures before the model's first text: test_server_early.py)
         backend_settings={
             "openai": {
                 "base_url": peer.url,

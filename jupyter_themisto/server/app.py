@@ -77,7 +77,7 @@ class ThemistoExtensionApp(ExtensionApp):
         "request is answered 404 saying which execution is missing.",
     ).tag(config=True)
     early_answer_ms = Float(
-        150.0,
+        50.0,
         help="When nothing of a model backend's first next-cell suggestion has come this many "
         "milliseconds after it was asked for (a model loading or reading a cold prompt, a remote "
         "API's round trip), the cell the `retrieval` backend ranks first is shown meanwhile; the "

@@ -81,7 +81,7 @@ class ThemistoManager:
         max_page: int = 1000,
         snapshot_wait: float = 2.0,
         execution_wait: float = 5.0,
-        early_answer: float = 0.15,
+        early_answer: float = 0.05,
     ) -> None:
         self.store = store
         self.default_backend = default_backend
