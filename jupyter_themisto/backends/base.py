@@ -22,8 +22,8 @@ class NextCellChunk:
 
     Suggestions are numbered by rank (`index` 0 is the best). A backend streams text for a
     suggestion as deltas to append; the chunk with `done=True` closes that suggestion. A chunk
-    with `replace=True` replaces what came for its suggestion so far (a stand-in shown while
-    the model was slower gives way to the model's answer).
+    with `replace=True` replaces what came for its suggestion so far (the server's early answer,
+    shown while the model was slower, gives way to the model's).
     """
 
     index: int

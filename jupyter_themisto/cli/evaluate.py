@@ -207,7 +207,7 @@ async def _predict(backend: Any, task: str, ctx: Any) -> str:
         async for chunk in backend.predict_next_cell(ctx, n=1):
             if chunk.index == 0:
                 if chunk.replace:
-                    parts.clear()  # (a stand-in gave way to the model's answer)
+                    parts.clear()  # (the suggestion so far gave way to this chunk's)
                 parts.append(chunk.text)
     else:
         async for chunk in backend.predict_output(ctx):

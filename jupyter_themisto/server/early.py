@@ -50,6 +50,8 @@ async def with_early_answer(
             item = await asyncio.wait_for(queue.get(), after)
         except asyncio.TimeoutError:
             shown = await early()
+            if shown is not None and not queue.empty():
+                shown = None  # (the model's text came meanwhile: no early answer to replace)
             if shown is not None:
                 yield NextCellChunk(index=0, text=shown, metadata={"source": "retrieved"})
             item = await queue.get()

@@ -569,12 +569,11 @@ class ThemistoManager:
         just run again, not only comments), or None (the early answer)."""
         previous = next((c.source for c in reversed(ctx.cells) if c.cell_type == "code"), None)
         try:
-            async for chunk in self.backend("retrieval").predict_next_cell(ctx, n=3):
-                if chunk.text and degenerate_reason(chunk.text, previous) is None:
-                    return chunk.text
+            found = [c.text async for c in self.backend("retrieval").predict_next_cell(ctx, n=3)]
         except Exception as e:  # noqa: BLE001 - the model answers all the same
             self.log.debug("themisto: no early answer: %s", e)
-        return None
+            return None
+        return next((t for t in found if t and degenerate_reason(t, previous) is None), None)
 
     async def _next(self, agen: Any, deadline: float, task: Task) -> Event | None:
         remaining = deadline - time.perf_counter()
