@@ -57,6 +57,13 @@ class PredictionContext:
     #: variables, whatever the executed cells bound, builtins); None: not known
     defined_names: frozenset[str] | None = None
 
+    def previous_code(self) -> str | None:
+        """The source of the code cell run last (a suggestion repeating it is not shown)."""
+        for cell in reversed(self.cells):
+            if cell.cell_type == "code":
+                return cell.source
+        return None
+
 
 def outputs_to_text(outputs: Sequence[dict[str, Any]], limit: int = 2000) -> str:
     """The text a person sees from nbformat outputs: streams, text/plain results, errors."""

@@ -57,6 +57,29 @@ async def post(jp_fetch: Any, task: str, body: Any, **kw: Any) -> Any:
     return await jp_fetch("themisto", "predict", task, method="POST", body=json.dumps(body), **kw)
 
 
+async def open_next_cell_stream(
+    body: dict[str, Any], port: int, base_url: str, auth_header: dict[str, str]
+) -> tuple[bytes, asyncio.StreamWriter]:
+    """POST a next-cell request on a raw socket (closing it really drops the connection
+    mid-stream) and read until the first `chunk` event: (what came, the socket's writer)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {base_url}themisto/predict/next-cell HTTP/1.1\r\n"
+        f"Host: 127.0.0.1:{port}\r\n"
+        f"Authorization: {auth_header['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data)
+    await writer.drain()
+    received = b""
+    while b"event: chunk" not in received:
+        more = await asyncio.wait_for(reader.read(4096), timeout=30)
+        assert more, received
+        received += more
+    return received, writer
+
+
 async def error_of(coro: Awaitable[Any]) -> tuple[int, str]:
     """The status and message of a request that must fail."""
     with pytest.raises(HTTPClientError) as info:

@@ -10,7 +10,15 @@ import logging
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from tests.helpers import body_of, error_of, parse_sse, post, server_config, wait_for
+from tests.helpers import (
+    body_of,
+    error_of,
+    open_next_cell_stream,
+    parse_sse,
+    post,
+    server_config,
+    wait_for,
+)
 from tests.peers import Fault, OpenAIPeer
 
 PLANTED_KEY = "sk-planted-0123456789abcdef"
@@ -248,22 +256,8 @@ async def test_disconnect_cancels_backend(
     manager = jp_serverapp.web_app.settings["themisto_manager"]
     peer.reply = "a = 1\nb = 2\nc = 3\nd = 4\ne = 5\nf = 6\n"
     peer.fail(Fault.slow(0.3))
-    # A raw socket, so that closing it really drops the connection mid-stream.
-    reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
-    body = json.dumps({"trajectory_id": tid, "backend": "openai"}).encode()
-    head = (
-        f"POST {jp_base_url}themisto/predict/next-cell HTTP/1.1\r\n"
-        f"Host: 127.0.0.1:{jp_http_port}\r\n"
-        f"Authorization: {jp_auth_header['Authorization']}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    writer.write(head.encode() + body)
-    await writer.drain()
-    received = b""
-    while b"event: chunk" not in received:
-        data = await asyncio.wait_for(reader.read(4096), timeout=30)
-        assert data, received
-        received += data
+    body = {"trajectory_id": tid, "backend": "openai"}
+    received, writer = await open_next_cell_stream(body, jp_http_port, jp_base_url, jp_auth_header)
     assert b"200 OK" in received
     writer.close()
     await wait_for(lambda: manager.cancelled and peer.disconnects)

@@ -4,13 +4,10 @@ replaces it (`"replace": true`); it stays when the model has nothing; failures s
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import pytest
 
 from jupyter_themisto.backends import create_backend
-from tests.helpers import parse_sse, post, server_config, wait_for
+from tests.helpers import open_next_cell_stream, parse_sse, post, server_config, wait_for
 from tests.peers import Fault, OpenAIPeer
 
 HISTORY = ["import pandas as pd", "df = pd.read_csv('data.csv')", "df.head()", "df.describe()"]
@@ -134,22 +131,9 @@ async def test_going_away_during_the_early_answer_stops_the_model_upstream(
     manager = jp_serverapp.web_app.settings["themisto_manager"]
     peer.reply = "a = 1\nb = 2\nc = 3\nd = 4\ne = 5\nf = 6\n"
     peer.fail(Fault.slow(0.5))
-    # A raw socket, so that closing it really drops the connection mid-stream.
-    reader, writer = await asyncio.open_connection("127.0.0.1", jp_http_port)
-    body = json.dumps({"kernel_id": "k"}).encode()
-    head = (
-        f"POST {jp_base_url}themisto/predict/next-cell HTTP/1.1\r\n"
-        f"Host: 127.0.0.1:{jp_http_port}\r\n"
-        f"Authorization: {jp_auth_header['Authorization']}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    received, writer = await open_next_cell_stream(
+        {"kernel_id": "k"}, jp_http_port, jp_base_url, jp_auth_header
     )
-    writer.write(head.encode() + body)
-    await writer.drain()
-    received = b""
-    while b"event: chunk" not in received:
-        data = await asyncio.wait_for(reader.read(4096), timeout=30)
-        assert data, received
-        received += data
     assert HISTORY[3].encode() in received  # the early answer, the model still streaming
     writer.close()
     await wait_for(lambda: manager.cancelled and peer.disconnects)

@@ -503,7 +503,7 @@ class LocalModelPredictor(Predictor):
         n: int,
         followed: str | None,
     ) -> AsyncIterator[NextCellChunk]:
-        previous = _previous_cell(ctx)
+        previous = ctx.previous_code()
         slot = self.slot(ctx, model)
         wanted = max(1, n)
         dropped: list[str] = []
@@ -688,11 +688,3 @@ class LocalModelPredictor(Predictor):
 
 def notebook_key(ctx: PredictionContext) -> str:
     return ctx.kernel_id or ctx.notebook_path or ctx.trajectory_id or ""
-
-
-def _previous_cell(ctx: PredictionContext) -> str | None:
-    """The source of the cell run last (a suggestion repeating it is dropped)."""
-    for cell in reversed(ctx.cells):
-        if cell.cell_type == "code":
-            return cell.source
-    return None

@@ -567,7 +567,7 @@ class ThemistoManager:
     async def _retrieved_first(self, ctx: PredictionContext) -> str | None:
         """The first cell the `retrieval` backend suggests that is worth showing (not the cell
         just run again, not only comments), or None (the early answer)."""
-        previous = next((c.source for c in reversed(ctx.cells) if c.cell_type == "code"), None)
+        previous = ctx.previous_code()
         try:
             found = [c.text async for c in self.backend("retrieval").predict_next_cell(ctx, n=3)]
         except Exception as e:  # noqa: BLE001 - the model answers all the same
