@@ -243,6 +243,13 @@ def test_every_builtin_backend_serves_a_strict_schema():
     openai = settings_schema(load_backend_class("openai"))
     assert openai is not None
     assert openai["properties"]["api_key"]["anyOf"][0]["writeOnly"] is True
+    # Built once per process; what a caller does to its copy changes no later answer.
+    props["max_trajectories"]["default"] = -1
+    openai["properties"].clear()
+    again = settings_schema(load_backend_class("retrieval"))
+    assert again is not None and again["properties"]["max_trajectories"]["default"] == 500
+    again = settings_schema(load_backend_class("openai"))
+    assert again is not None and "api_key" in again["properties"]
 
 
 def test_readme_tables_are_generated_from_the_models(tmp_path):

@@ -299,10 +299,11 @@ def test_export_parquet_shards_and_hf_datasets(recorded, dump, tmp_path):
     assert results[0] == results[1] and len(results[0]) > 5
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o027])
-def test_export_files_and_folders_follow_the_umask(recorded, tmp_path, umask):
+def test_export_files_and_folders_follow_the_umask(recorded, tmp_path):
     """Every file and folder of a dump gets what the umask gives, as any file one creates:
-    dump.json and schema.json used to be 0600 and the folder 0700 (mkstemp/mkdtemp modes)."""
+    dump.json and schema.json used to be 0600 and the folder 0700 (mkstemp/mkdtemp modes).
+    (0o027, not the usual 0o022: modes hard-coded to 0644/0755 would fail too.)"""
+    umask = 0o027
     for fmt in ("jsonl", "parquet"):
         out = tmp_path / f"dump-{fmt}"
         r = cli(

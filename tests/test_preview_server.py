@@ -169,10 +169,8 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         events = await predict(jp_fetch, kernel_id, "import time\ntime.sleep(6)\nprint('done')")
         assert "".join(d["text"] for n, d in events if n == "chunk") == "done\n", events
 
-        # The client goes away: it gives up after 15 s and closes its connection.
-        task, pid = await long_preview_running(
-            jp_fetch, jp_serverapp, kernel_id, request_timeout=15
-        )
+        # The client goes away: it gives up after 8 s and closes its connection.
+        task, pid = await long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeout=8)
         with pytest.raises(HTTPClientError) as gone:
             await task
         assert gone.value.code == 599  # (the client's own timeout)

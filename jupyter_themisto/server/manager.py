@@ -231,12 +231,13 @@ class ThemistoManager:
 
     async def list_backends(self) -> list[dict[str, Any]]:
         out = []
-        for name in sorted(available_backends()):
+        installed = available_backends()
+        for name in sorted(installed):
             entry: dict[str, Any] = {"name": name, "description": "", "tasks": []}
             try:
                 # The settings' JSON schema, from the class: served even when the backend
                 # cannot be made (e.g. with refused settings, which the schema helps to fix).
-                entry["settings_schema"] = settings_schema(load_backend_class(name))
+                entry["settings_schema"] = settings_schema(load_backend_class(name, installed))
                 b = self.backend(name)
                 entry["description"] = b.description
                 entry["tasks"] = list(b.tasks)
