@@ -40,6 +40,7 @@ _PLAIN = {
 DEFAULT_VARIANTS = {
     "plain": (_PLAIN, False),
     "out-last": ({**_PLAIN, "prompt_outputs": "last"}, True),
+    "out-error": ({**_PLAIN, "prompt_outputs": "error"}, True),
     "vars-header": ({**_PLAIN, "prompt_runtime": "header"}, True),
     "rt-both": ({**_PLAIN, "prompt_runtime": "header", "prompt_outputs": "last"}, True),
     "vars-end": ({**_PLAIN, "prompt_runtime": "end"}, True),

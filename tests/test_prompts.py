@@ -39,21 +39,55 @@ def code_rows(n):
     ]
 
 
-def test_default_next_cell_prompt_is_plain_code_and_the_last_output():
+def test_default_next_cell_prompt_is_plain_code_and_an_error():
+    # An output that is not an error is not shown by default (measured: it lowered the scores).
     p = next_cell_prompt(session())
     assert p.text == (
         "# %% [markdown]\n# Load the data\n\n"
         "# %%\nimport pandas as pd\n\n"
-        "# %%\nfor i in range(2):\n    print(i)\n# Out: 0\n#      1\n\n"
+        "# %%\nfor i in range(2):\n    print(i)\n\n"
         "# %%\n"
     )
     assert p.stops[:2] == ["# %%", "\n# Out:"] and p.suffix is None and not p.special
+    last = next_cell_prompt(session(), PromptOptions(outputs="last"))
+    assert last.text.endswith("    print(i)\n# Out: 0\n#      1\n\n# %%\n")
     # The variables are not shown by default (measured: no gain, and a header would change the
     # prompt's beginning at every cell); the docstring header is one setting away.
     header = next_cell_prompt(session(), PromptOptions(runtime="header")).text
     assert header.startswith('"""Live variables of the kernel:\ni: int = 1\n"""\n\n# %% [markdown]')
     # Without runtime information, no output either.
     assert "# Out" not in next_cell_prompt(session(with_runtime=False)).text
+
+
+def test_the_newest_cells_error_is_shown_by_default_and_ends_a_long_output():
+    def ctx(*cells):
+        return PredictionContext(
+            cells=[
+                ContextCell(source=src, output_text=out, status=status, order_index=i)
+                for i, (src, out, status) in enumerate(cells)
+            ]
+        )
+
+    failed = ctx(
+        ("import pandas as pd", "", "ok"),
+        ("df.applymap(len)", "AttributeError: 'DataFrame' has no attribute 'applymap'\n", "error"),
+    )
+    assert next_cell_prompt(failed).text.endswith(
+        "# %%\ndf.applymap(len)\n# Out: AttributeError: 'DataFrame' has no attribute"
+        " 'applymap'\n\n# %%\n"
+    )
+    failed.with_runtime = False  # (an error is runtime information too)
+    assert "# Out" not in next_cell_prompt(failed).text
+    assert "# Out" not in next_cell_prompt(failed, PromptOptions(outputs="none")).text
+    # An older cell's error is not shown: the newest cell ran after it.
+    mended = ctx(("1/0", "ZeroDivisionError: division by zero\n", "error"), ("1/1", "1.0\n", "ok"))
+    assert "# Out" not in next_cell_prompt(mended).text
+    # A cell that printed much, then raised: its last lines are kept, the error among them.
+    printed = "\n".join(f"line {n}" for n in range(20)) + "\nValueError: bad value\n"
+    loud = ctx(("run()", printed, "error"))
+    text = next_cell_prompt(loud, PromptOptions(max_output_lines=3)).text
+    assert "# Out: …\n#      line 18\n#      line 19\n#      ValueError: bad value\n" in text
+    assert "line 0" not in text
 
 
 def test_without_runtime_no_variables_anywhere():
@@ -99,8 +133,8 @@ def test_an_output_of_default_reprs_only_can_be_left_out(text):
     ctx = PredictionContext(
         cells=[ContextCell(source="plt.plot(x)", output_text=text, order_index=0)]
     )
-    assert "# Out: " in next_cell_prompt(ctx).text  # shown by default
-    left_out = next_cell_prompt(ctx, PromptOptions(object_reprs=False)).text
+    assert "# Out: " in next_cell_prompt(ctx, PromptOptions(outputs="last")).text
+    left_out = next_cell_prompt(ctx, PromptOptions(outputs="last", object_reprs=False)).text
     assert left_out == "# %%\nplt.plot(x)\n\n# %%\n"
 
 
@@ -119,8 +153,10 @@ def test_an_output_that_says_something_is_kept(text):
     ctx = PredictionContext(
         cells=[ContextCell(source="model.score(x)", output_text=text, order_index=0)]
     )
-    options = PromptOptions(object_reprs=False)
-    assert next_cell_prompt(ctx, options).text == next_cell_prompt(ctx).text
+    options = PromptOptions(outputs="last", object_reprs=False)
+    shown = next_cell_prompt(ctx, PromptOptions(outputs="last")).text
+    assert next_cell_prompt(ctx, options).text == shown
+    assert "# Out: " in shown or not text.strip()
 
 
 def test_markdown_can_be_left_out():

@@ -85,9 +85,9 @@ def model_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLab]:
     check_installed_build(Path(__file__).resolve().parents[1])
     server = JupyterLab(tmp_path_factory.mktemp("model-lab"))
     server.start()
-    # Without the runtime summary: today's prompt renders it as comments, which this small model
-    # tends to continue (dropped, so nothing would show); the prompt builder is being reworked.
-    server.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30, "withRuntime": false}'})
+    # With the runtime summary, as a new user has it (the prompt shows an output only when the
+    # newest cell raised).
+    server.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
     try:
         yield server
     finally:

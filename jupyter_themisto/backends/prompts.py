@@ -10,7 +10,9 @@ The next-cell prompt was shaped by measurement (benchmarks/prompt_ablation.py, n
 README "Prompts"): the executed cells in the order the person ran them, as plain code behind
 `# %%` lines, is what a code model continues best. Anything rendered as comments right before
 the open cell (outputs, variables) is imitated rather than used, so runtime information goes
-where the model reads but does not continue it (`PromptOptions.runtime`).
+where the model reads but does not continue it (`PromptOptions.runtime`). Of the outputs, only
+an error of the newest cell is shown by default: on the benchmark corpus it is the one output
+that raised the scores (the next cell mends the failed one); other outputs lowered them.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ class PromptOptions:
     window_step: the first cell shown moves in steps of this many executions, so that the
       prompts of consecutive cells share their beginning (a model's prompt cache reuses it);
       between `cells` and `cells + window_step - 1` cells are shown.
-    outputs: "none", "last" (the newest cell's output or error, as comments) or "all"; only
-      with runtime information (an output is part of it).
+    outputs: "none", "error" (the newest cell's output when it raised, as comments), "last"
+      (the newest cell's output, whatever it is) or "all"; only with runtime information (an
+      output is part of it).
     runtime: where the live variables go: "none", "header" (a docstring at the top, read but
       not continued), "end" (comments right before the open cell).
     markdown: markdown cells of the notebook, as `# %% [markdown]` cells where they stand.
@@ -104,7 +107,7 @@ class PromptOptions:
 
     cells: int = 10
     window_step: int = 10
-    outputs: str = "last"
+    outputs: str = "error"
     runtime: str = "none"
     markdown: bool = True
     below: bool = False
@@ -134,8 +137,10 @@ class PromptOptions:
         return options
 
     def check(self) -> None:
-        if self.outputs not in ("none", "last", "all"):
-            raise ValueError(f"prompt_outputs must be none, last or all, not {self.outputs!r}")
+        if self.outputs not in ("none", "error", "last", "all"):
+            raise ValueError(
+                f"prompt_outputs must be none, error, last or all, not {self.outputs!r}"
+            )
         if self.runtime not in ("none", "header", "end"):
             raise ValueError(f"prompt_runtime must be none, header or end, not {self.runtime!r}")
         if self.template not in ("raw", "chatml"):
@@ -165,10 +170,11 @@ class PromptSettings(BackendSettings):
         " consecutive prompts share their beginning and the model's prompt cache serves it"
         " (between `prompt_cells` and `prompt_cells + step − 1` cells shown)",
     )
-    prompt_outputs: Literal["none", "last", "all"] = Field(
+    prompt_outputs: Literal["none", "error", "last", "all"] = Field(
         _PROMPT.outputs,  # type: ignore[arg-type]
-        description="with runtime information: `none`, `last` (the newest cell's output or"
-        " error, as `# Out:` comments) or `all`",
+        description="with runtime information: `none`, `error` (the newest cell's output when"
+        " it raised, as `# Out:` comments), `last` (the newest cell's output, whatever it is) or"
+        " `all`",
     )
     prompt_max_output_lines: int = Field(
         _PROMPT.max_output_lines, ge=0, description="lines kept of an output shown"
@@ -222,7 +228,8 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
 def _output_lines(cell: ContextCell, limit: int) -> list[str]:
     lines = cell.output_text.rstrip().splitlines()
     if len(lines) > limit:
-        lines = lines[:limit] + ["…"]
+        # A cell that raised ends with its error (`NameError: name 'x' is not defined`): kept.
+        lines = ["…"] + lines[-limit:] if cell.status == "error" else lines[:limit] + ["…"]
     return [("# Out: " if i == 0 else "#      ") + line for i, line in enumerate(lines)]
 
 
@@ -308,7 +315,11 @@ def next_cell_prompt(
         if (
             ctx.with_runtime
             and c.output_text.strip()
-            and (options.outputs == "all" or (options.outputs == "last" and i == newest))
+            and (
+                options.outputs == "all"
+                or (options.outputs == "last" and i == newest)
+                or (options.outputs == "error" and i == newest and c.status == "error")
+            )
             and (options.object_reprs or not object_reprs_only(c.output_text))
         ):
             lines += _output_lines(c, options.max_output_lines)
