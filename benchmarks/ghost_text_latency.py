@@ -22,6 +22,7 @@ script prints when the first ghost text appeared, and when the text that stayed 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,13 +55,29 @@ def main() -> None:
     parser.add_argument(
         "--early-answer-ms", type=float, default=None, help="the server's early_answer_ms"
     )
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the measured backend (VALUE parsed as JSON when it is JSON), e.g."
+        " -o prompt_outputs=last",
+    )
     args = parser.parse_args()
+    settings = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        try:
+            settings[key] = json.loads(value)
+        except ValueError:
+            settings[key] = value
     cells = session(args.cells, "x", 2, "+")
     earlier = cells if args.history == "same" else session(args.cells, "y", 3, "-")
     check_installed_build(ROOT)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     for backend in args.backends.split(","):
-        measure(backend, cells, earlier, args.early_answer_ms)
+        measure(backend, cells, earlier, args.early_answer_ms, settings)
 
 
 def session(n: int, name: str, factor: int, op: str) -> list[str]:
@@ -96,9 +114,15 @@ def stayed_since(texts: list[list]) -> float:
 
 
 def measure(
-    backend: str, cells: list[str], earlier: list[str], early_answer_ms: float | None
+    backend: str,
+    cells: list[str],
+    earlier: list[str],
+    early_answer_ms: float | None,
+    settings: dict[str, Any],
 ) -> None:
     argv = [f"--ThemistoExtensionApp.default_backend={backend}"]
+    if settings:
+        argv.append(f"--ThemistoExtensionApp.backend_settings={json.dumps({backend: settings})}")
     if early_answer_ms is not None:
         argv.append(f"--ThemistoExtensionApp.early_answer_ms={early_answer_ms}")
     with tempfile.TemporaryDirectory() as tmp:
