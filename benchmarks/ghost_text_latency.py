@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
+from jupyter_themisto.cli.evaluate import parse_options  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
 from tests.ui.lab import (  # noqa: E402
     CHROMIUM,
@@ -65,13 +66,7 @@ def main() -> None:
         " -o prompt_outputs=last",
     )
     args = parser.parse_args()
-    settings = {}
-    for item in args.option:
-        key, _, value = item.partition("=")
-        try:
-            settings[key] = json.loads(value)
-        except ValueError:
-            settings[key] = value
+    settings = parse_options(args.option)
     cells = session(args.cells, "x", 2, "+")
     earlier = cells if args.history == "same" else session(args.cells, "y", 3, "-")
     check_installed_build(ROOT)
