@@ -162,7 +162,11 @@ def main() -> None:
     p.add_argument("--backends", default="repeat-previous,retrieval,llamacpp")
     p.add_argument("--tasks", default="next-cell,output")
     p.add_argument("--settings", default="trajectory,live")
-    p.add_argument("--runtime", default="with,without", help="with, without or both")
+    p.add_argument(
+        "--runtime",
+        default="with,without",
+        help="with,without (both, the default), with or without",
+    )
     p.add_argument(
         "-o",
         "--option",
