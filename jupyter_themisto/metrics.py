@@ -12,11 +12,15 @@ calls (`pd.read_csv(...)` -> `read_csv`, `df.groupby(...).mean()` -> `groupby`, 
 extracted with `ast`; a cell that does not parse falls back to a `name(` pattern. They are
 multiset precision and recall; precision is undefined (None) when the prediction calls
 nothing, recall when the reference calls nothing; means skip undefined values.
+
+Two runs on the same examples are compared by `paired_difference`: the mean per-example
+difference with a percentile bootstrap interval, seeded so that a report can be reproduced.
 """
 
 from __future__ import annotations
 
 import ast
+import random
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -153,4 +157,28 @@ def corpus_scores(predictions: Sequence[str], references: Sequence[str]) -> dict
     return {
         "corpus_chrf": CHRF().corpus_score(list(predictions), [list(references)]).score / 100,
         "corpus_bleu": BLEU().corpus_score(list(predictions), [list(references)]).score / 100,
+    }
+
+
+def paired_difference(
+    a: Sequence[float], b: Sequence[float], *, resamples: int = 2000, seed: int = 0
+) -> dict[str, float]:
+    """How `b` scored against `a` on the same examples (`a[i]` and `b[i]` are one example's
+    scores): the mean of b − a, its 95 % percentile bootstrap interval (`low`, `high`; the
+    examples resampled `resamples` times with a fixed seed), and how many examples `b` scored
+    higher (`better`) and lower (`worse`) on. An interval that holds 0 means the runs are not
+    told apart on these examples."""
+    if len(a) != len(b) or not a:
+        raise ValueError("paired_difference needs two equally long, non-empty score lists")
+    d = [float(y) - float(x) for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(d, k=n)) / n for _ in range(resamples))
+    return {
+        "n": n,
+        "mean": sum(d) / n,
+        "low": means[int(0.025 * resamples)],
+        "high": means[max(0, int(0.975 * resamples) - 1)],
+        "better": sum(1 for x in d if x > 0),
+        "worse": sum(1 for x in d if x < 0),
     }

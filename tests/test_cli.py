@@ -355,6 +355,8 @@ def test_evaluate_retrieval_and_baselines(dump, tmp_path):
             str(out),
         )
         assert r.returncode == 0, r.stderr
+    # The second run is compared with the first, example by example, as it ends.
+    assert "retrieval with runtime − retrieval without runtime: chrF +" in r.stdout, r.stdout
     r = cli(
         "evaluate",
         str(dump),
@@ -408,8 +410,26 @@ def test_evaluate_retrieval_and_baselines(dump, tmp_path):
     assert "api_recall" in runs["next-cell__ret-context__with-runtime"]["metrics"]
     # --min-context 5: analysis.ipynb's instances at order 5..11 (second.ipynb is shorter).
     assert runs["next-cell__ret-context__with-runtime"]["n"] == len(ANALYSIS) - 5
+    # Paired: retrieval with runtime against without (the baselines ran another task, and
+    # are not compared with each other), on the same examples, by hand.
+    (cmp,) = summary["comparisons"]
+    assert (cmp["kind"], cmp["a"], cmp["b"]) == (
+        "runtime",
+        "output__retrieval__without-runtime",
+        "output__retrieval__with-runtime",
+    )
+    by_id = {r["id"]: r["scores"]["chrf"] for r in without}
+    diffs = [r["scores"]["chrf"] - by_id[r["id"]] for r in with_rt]
+    assert cmp["chrf"]["n"] == n_output and cmp["chrf"]["mean"] == pytest.approx(
+        sum(diffs) / n_output
+    )
+    assert cmp["chrf"]["better"] == sum(d > 0 for d in diffs) > 0
+    assert cmp["chrf"]["low"] <= cmp["chrf"]["mean"] <= cmp["chrf"]["high"]
     table = (out / "results.md").read_text().splitlines()
-    assert table[0].startswith("| task | backend | runtime |") and len(table) == 2 + 4
+    assert table[0].startswith("| task | backend | runtime |") and table[2 + 4] == ""
+    (row,) = [line for line in table[2 + 4 :] if line.startswith("| output |")]
+    assert "| retrieval with runtime | retrieval without runtime |" in row
+    assert f"| {n_output} | {cmp['chrf']['mean']:+.3f} |" in row
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

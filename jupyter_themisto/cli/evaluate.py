@@ -9,7 +9,10 @@ backend × with/without runtime × setting): `<task>__<backend>__<runtime>[__liv
 line per example, appended and flushed as each one finishes, so an interrupted run resumes
 where it stopped (examples already scored are skipped; failed ones are retried). After each
 run it rewrites, from all the runs in DIR, `summary.json`, `results.md` (a Markdown table)
-and `results.png` (each metric per run, with and without runtime side by side).
+and `results.png` (each metric per run, with and without runtime side by side). Runs of one
+task and setting are also compared example by example (`compare_runs`): with runtime
+information against without, and each backend against the baselines, with a bootstrap interval
+that says whether a difference is one; the comparisons with the run just made are printed.
 """
 
 from __future__ import annotations
@@ -309,16 +312,89 @@ def summarize_run(path: Path) -> dict[str, Any] | None:
 
 def write_reports(out_dir: Path) -> dict[str, Any]:
     runs: dict[str, Any] = {}
+    scores: dict[str, dict[str, dict[str, float]]] = {}
     for path in sorted(out_dir.glob("*__*__*.jsonl")):
         s = summarize_run(path)
         if s:
             runs[path.stem] = s
-    summary = {"generated_at": time.time(), "runs": runs}
+            scores[path.stem] = {
+                k: r["scores"] for k, r in _open_results(path).items() if "scores" in r
+            }
+    comparisons = compare_runs(runs, scores)
+    summary = {"generated_at": time.time(), "runs": runs, "comparisons": comparisons}
     write_json(out_dir / "summary.json", summary)
     with atomic_file(out_dir / "results.md") as f:
         f.write(markdown_table(runs))
+        if comparisons:
+            f.write("\n" + comparison_table(comparisons))
     plot(runs, out_dir / "results.png")
     return summary
+
+
+#: backends that stand for "no model": every other run is compared with each of them
+BASELINES = ("repeat-previous", "ret-context", "ret-train")
+
+
+def compare_runs(
+    runs: dict[str, Any], scores: dict[str, dict[str, dict[str, float]]]
+) -> list[dict[str, Any]]:
+    """Paired comparisons of the runs of one task and setting, on the examples both scored:
+    each backend with runtime information against the same backend without it, and each
+    backend's run against each baseline's run (`BASELINES`). chrF and exact match, B − A."""
+    pairs: list[tuple[str, str, str]] = []
+    for b, rb in runs.items():
+        for a, ra in runs.items():
+            if a == b or (ra["task"], ra["setting"]) != (rb["task"], rb["setting"]):
+                continue
+            if ra["backend"] == rb["backend"] and rb["with_runtime"] and not ra["with_runtime"]:
+                pairs.append(("runtime", a, b))
+            elif ra["backend"] in BASELINES and rb["backend"] not in BASELINES:
+                # A baseline run with the same runtime flag when there is one (they ignore it).
+                twin = run_name(ra["task"], ra["backend"], rb["with_runtime"], ra["setting"])
+                if a == twin or twin not in runs:
+                    pairs.append(("baseline", a, b))
+    out = []
+    for kind, a, b in pairs:
+        ids = [i for i in scores[b] if i in scores[a]]
+        if not ids:
+            continue
+        row: dict[str, Any] = {"kind": kind, "a": a, "b": b}
+        row["a_label"], row["b_label"] = _label(runs[a]), _label(runs[b])
+        row["task"], row["setting"] = runs[b]["task"], runs[b]["setting"]
+        for metric in ("chrf", "exact_match"):
+            row[metric] = M.paired_difference(
+                [scores[a][i][metric] for i in ids], [scores[b][i][metric] for i in ids]
+            )
+        out.append(row)
+    return out
+
+
+def _label(run: dict[str, Any]) -> str:
+    runtime = (
+        ""
+        if run["backend"] in BASELINES
+        else (" with runtime" if run["with_runtime"] else " without runtime")
+    )
+    return f"{run['backend']}{runtime}"
+
+
+def comparison_table(comparisons: list[dict[str, Any]]) -> str:
+    """The paired comparisons as Markdown: what each difference is, and whether it is one."""
+    lines = [
+        "Paired: B − A on the examples both runs scored; the interval is the 95 % bootstrap"
+        " interval of the mean (2,000 resamples): one that holds 0 does not tell the runs apart.",
+        "",
+        "| task | setting | B | A | n | chrF B − A | 95 % interval | B better / worse | EM B − A |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in comparisons:
+        ch, em = c["chrf"], c["exact_match"]
+        lines.append(
+            f"| {c['task']} | {c['setting']} | {c['b_label']} | {c['a_label']} | {ch['n']}"
+            f" | {ch['mean']:+.3f} | [{ch['low']:+.3f}, {ch['high']:+.3f}]"
+            f" | {ch['better']} / {ch['worse']} | {em['mean']:+.3f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(v: Any) -> str:
@@ -464,6 +540,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         f"{name}: n={s.get('n')} "
         + " ".join(f"{_METRIC_LABELS[k]}={_fmt(m.get(k))}" for k in _METRIC_LABELS if k in m)
     )
+    for c in summary["comparisons"]:
+        if name in (c["a"], c["b"]):
+            ch = c["chrf"]
+            print(
+                f"  {c['b_label']} − {c['a_label']}: chrF {ch['mean']:+.3f}"
+                f" [{ch['low']:+.3f}, {ch['high']:+.3f}] on {ch['n']} paired examples"
+                f" ({ch['better']} better, {ch['worse']} worse)"
+            )
     print(f"results in {out_dir}")
     if errors:
         print(f"{errors} examples failed (rerun to retry them)", flush=True)
