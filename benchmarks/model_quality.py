@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from jupyter_themisto.metrics import paired_difference  # noqa: E402
+
 CLI = [sys.executable, "-m", "jupyter_themisto.cli"]
 
 
@@ -46,19 +48,6 @@ def run(*args: str) -> str:
     if done.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(args[:3])} failed (exit {done.returncode})")
     return done.stdout
-
-
-def paired_bootstrap(
-    a: list[float], b: list[float], resamples: int = 2000, seed: int = 0
-) -> tuple[float, float, float]:
-    """Mean of `b - a` over paired instances and its 95 % bootstrap interval."""
-    diffs = [y - x for x, y in zip(a, b, strict=True)]
-    if not diffs:
-        return 0.0, 0.0, 0.0
-    rng = random.Random(seed)
-    n = len(diffs)
-    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
-    return sum(diffs) / n, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
 def chrf_by_id(results: Path, name: str) -> dict[str, float]:
@@ -75,8 +64,11 @@ def compare(results: Path, base: str, other: str) -> str:
     ids = sorted(set(a) & set(b))
     if not ids:
         return "n/a"
-    mean, low, high = paired_bootstrap([a[i] for i in ids], [b[i] for i in ids])
-    return f"{mean:+.1f} chrF [95 % CI {low:+.1f}, {high:+.1f}] on {len(ids)} paired instances"
+    d = paired_difference([a[i] for i in ids], [b[i] for i in ids])
+    return (
+        f"{d['mean']:+.1f} chrF [95 % CI {d['low']:+.1f}, {d['high']:+.1f}]"
+        f" on {len(ids)} paired instances"
+    )
 
 
 def figures(summary: dict, model: str, results: Path) -> list[str]:
