@@ -22,7 +22,8 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
 2. Through a real `jupyter server` with the extension and no backend configured (the default
    is the local model): the server's RSS, the first request against the later ones over HTTP.
 
-    .venv/bin/python benchmarks/local_model_latency.py [--notebooks N] [--cells 16]
+    .venv/bin/python benchmarks/local_model_latency.py [--notebooks N] [--cells 16] \
+        [-o model=qwen2.5-coder-1.5b] [--no-server]
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from jupyter_themisto.backends import NoPrediction  # noqa: E402
 from jupyter_themisto.backends._local import Completion  # noqa: E402
 from jupyter_themisto.backends.base import BackendEnv  # noqa: E402
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor  # noqa: E402
+from jupyter_themisto.cli.evaluate import parse_options  # noqa: E402
 from jupyter_themisto.context import ContextCell, PredictionContext  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
 
@@ -131,17 +133,18 @@ async def in_process(
     compare: bool,
     cold_tokens: int,
     reuse: int,
+    settings: dict[str, Any],
 ) -> None:
     # before: the defaults (each prompt cut to its budget anew); stable: stable_prompt_start;
     # cold: cold_prompt_tokens too; reuse: cache_reuse_tokens
-    variants = [("before", LlamaCppPredictor({}))]
+    variants = [("before", LlamaCppPredictor(dict(settings)))]
     if compare:
-        variants.append(("stable", LlamaCppPredictor({"stable_prompt_start": True})))
+        variants.append(("stable", LlamaCppPredictor({**settings, "stable_prompt_start": True})))
         if cold_tokens:
-            cold = {"stable_prompt_start": True, "cold_prompt_tokens": cold_tokens}
+            cold = {**settings, "stable_prompt_start": True, "cold_prompt_tokens": cold_tokens}
             variants.append(("cold", LlamaCppPredictor(cold)))
     if reuse:
-        variants.append(("reuse", LlamaCppPredictor({"cache_reuse_tokens": reuse})))
+        variants.append(("reuse", LlamaCppPredictor({**settings, "cache_reuse_tokens": reuse})))
     backend = variants[0][1]
     start = time.perf_counter()
     model = await asyncio.to_thread(backend.shared)
@@ -313,6 +316,15 @@ def main() -> None:
     p.add_argument(
         "--reuse", type=int, default=0, metavar="N", help="also with cache_reuse_tokens N"
     )
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a llamacpp setting for the in-process cases (VALUE parsed as JSON when it is"
+        " JSON), e.g. -o model=qwen2.5-coder-1.5b",
+    )
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print("== in process")
@@ -325,6 +337,7 @@ def main() -> None:
             args.compare,
             args.cold_tokens,
             args.reuse,
+            parse_options(args.option),
         )
     )
     if args.no_server:

@@ -31,7 +31,7 @@ from jupyter_themisto.backends._local import (
     loaded_models,
 )
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
-from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
+from jupyter_themisto.backends.model_files import QWEN_CODER_05B, QWEN_CODER_15B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
 from jupyter_themisto.backends.prompts import QWEN_FIM, next_cell_prompt
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
@@ -399,6 +399,20 @@ async def test_smollm2_stays_available(model_file):
     tiny = llama(model="smollm2-135m", max_tokens=16)
     assert tiny.model_path() == bundled_model_path()
     assert (await next_cells(tiny, session()))[0].strip()
+
+
+async def test_the_larger_code_model_is_a_setting_away(model_file):
+    """`model = "qwen2.5-coder-1.5b"` (extra [llm-large]): its own file and engine beside the
+    default's, Qwen2.5-Coder's FIM tokens, and a suggestion for the same session."""
+    large = llama(model="qwen2.5-coder-1.5b", max_tokens=24)
+    path = find_model(QWEN_CODER_15B)
+    assert path is not None and large.model_path() == path != model_file
+    assert (await large.health())["ok"] is True
+    texts = await next_cells(large, session())
+    # code (a comment-only answer is dropped), cut at the cell boundary
+    assert texts[0].strip() and "# %%" not in texts[0]
+    assert large.fim_tokens(large.shared()) == QWEN_FIM
+    assert large.model_key() != llama().model_key()
 
 
 async def test_bad_settings_and_model_paths_are_clear(tmp_path):

