@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from jupyter_themisto.cli.evaluate import parse_options  # noqa: E402
+from jupyter_themisto.cli.evaluate import add_option_flag, parse_options  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
 from tests.ui.lab import (  # noqa: E402
     CHROMIUM,
@@ -56,15 +56,7 @@ def main() -> None:
     parser.add_argument(
         "--early-answer-ms", type=float, default=None, help="the server's early_answer_ms"
     )
-    parser.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a setting of the measured backend (VALUE parsed as JSON when it is JSON), e.g."
-        " -o prompt_outputs=last",
-    )
+    add_option_flag(parser, "-o prompt_outputs=last")
     args = parser.parse_args()
     settings = parse_options(args.option)
     cells = session(args.cells, "x", 2, "+")

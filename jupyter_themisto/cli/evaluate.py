@@ -100,15 +100,7 @@ def add_parsers(sub: Any) -> None:
         help="predictions in flight at once (overlaps an HTTP backend's requests)",
     )
     p.add_argument("--out", metavar="DIR", default=None, help="default: DUMP/evaluation")
-    p.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a backend setting (repeatable; VALUE parsed as JSON when it is JSON), "
-        "e.g. -o base_url=http://127.0.0.1:8000/v1 -o model=qwen",
-    )
+    add_option_flag(p, "-o base_url=http://127.0.0.1:8000/v1 -o model=qwen")
     p.add_argument(
         "--train",
         metavar="DUMP",
@@ -163,6 +155,19 @@ class HeldOutStore:
 
 
 # -- running ----------------------------------------------------------------------------------
+
+
+def add_option_flag(p: argparse.ArgumentParser, example: str) -> None:
+    """`-o KEY=VALUE`, repeatable: backend settings, read with `parse_options`."""
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend setting (repeatable; VALUE parsed as JSON when it is JSON), e.g. "
+        + example,
+    )
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
