@@ -352,7 +352,8 @@ def compare_runs(
             if a == b or (ra["task"], ra["setting"]) != (rb["task"], rb["setting"]):
                 continue
             if ra["backend"] == rb["backend"] and rb["with_runtime"] and not ra["with_runtime"]:
-                pairs.append(("runtime", a, b))
+                if rb["backend"] not in BASELINES:  # (they ignore runtime information)
+                    pairs.append(("runtime", a, b))
             elif ra["backend"] in BASELINES and rb["backend"] not in BASELINES:
                 # A baseline run with the same runtime flag when there is one (they ignore it).
                 twin = run_name(ra["task"], ra["backend"], rb["with_runtime"], ra["setting"])
