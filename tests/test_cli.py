@@ -921,3 +921,34 @@ def test_notebooks_without_cell_ids_match_by_position(tmp_path):
     ctx = DumpContexts(executions, 3000, cells).build(instance, True)
     assert [c.source for c in ctx.cells] == ["# Old notebook", "a = 1", "Now b"]
     assert [c.source for c in ctx.cells_below] == ["print(b)"]
+
+
+def test_every_flag_of_every_subcommand_is_in_the_readme():
+    """`--help` is not the only documentation: each long option of each subcommand is named in
+    README.md (the check fails for a new flag nobody documented)."""
+    import argparse
+    import re
+
+    from jupyter_themisto.cli import build_parser
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+
+    def flags(parser: argparse.ArgumentParser, path: tuple[str, ...]):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from flags(sub, (*path, name))
+            for option in action.option_strings:
+                if option.startswith("--") and option not in ("--help", "--version"):
+                    yield " ".join(path), option
+
+    found = list(flags(build_parser(), ()))
+    assert {
+        ("export", "--force"),
+        ("evaluate", "--token-budget"),
+        ("model install", "--dir"),
+    } <= set(found)
+    missing = [
+        f"{cmd} {o}" for cmd, o in found if not re.search(re.escape(o) + r"(?![\w-])", readme)
+    ]
+    assert not missing, f"flags not documented in README.md: {missing}"

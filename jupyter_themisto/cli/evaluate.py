@@ -287,8 +287,8 @@ async def run_examples(
 # -- reporting --------------------------------------------------------------------------------
 
 
-def summarize_run(path: Path) -> dict[str, Any] | None:
-    rows = list(_open_results(path).values())
+def summarize_run(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One run's counts and mean metrics, from its rows (one per example, the latest)."""
     if not rows:
         return None
     scored = [r for r in rows if "scores" in r]
@@ -319,12 +319,11 @@ def write_reports(out_dir: Path) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     scores: dict[str, dict[str, dict[str, float]]] = {}
     for path in sorted(out_dir.glob("*__*__*.jsonl")):
-        s = summarize_run(path)
+        rows = _open_results(path)
+        s = summarize_run(list(rows.values()))
         if s:
             runs[path.stem] = s
-            scores[path.stem] = {
-                k: r["scores"] for k, r in _open_results(path).items() if "scores" in r
-            }
+            scores[path.stem] = {k: r["scores"] for k, r in rows.items() if "scores" in r}
     comparisons = compare_runs(runs, scores)
     summary = {"generated_at": time.time(), "runs": runs, "comparisons": comparisons}
     write_json(out_dir / "summary.json", summary)
