@@ -257,6 +257,27 @@ async def test_warm_evaluates_the_prompt_ahead(model_file):
     assert cached >= answer["usage"]["prompt_tokens"] - 1  # all of it came from the cache
 
 
+async def test_a_cancelled_request_stops_while_its_prompt_is_evaluated(model_file):
+    # An answer ended by its time before its first token must not keep the engine evaluating
+    # a long prompt for seconds (the next request would wait behind it): the engine stops at
+    # the next step of n_batch tokens. What it evaluated is in its cache: only the first step.
+    backend = llama(max_tokens=4, parallel=1, n_batch=64)
+    mark = f"# {secrets.token_hex(8)}\n"
+    prompt = mark + "".join(f"value_{i} = compute({i}, scale={i * 7})\n" for i in range(60))
+    cancelled = threading.Event()
+    cancelled.set()  # stopped at its first chance
+    pieces: list[str] = []
+    model = backend.shared()
+    with model.lock:
+        backend.run(model, Completion(prompt, [], 4), cancelled, pieces.append)
+    assert pieces == []
+    body = backend.request(Completion(prompt, [], 1), stream=False)
+    with model.lock:
+        usage = model.model.handle_completions(body)["usage"]
+    total, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+    assert total > 600 and cached <= 2 * 64, usage
+
+
 def long_notebook(n: int, mark: str) -> PredictionContext:
     cells = [ContextCell(source=mark, execution_count=0, order_index=0)]
     for i in range(1, n):
@@ -546,6 +567,14 @@ async def test_repetition_is_cut():
     backend = ScriptedEngine(["df.head()\ndf.tail()\ndf.head()\ndf.head()\ndf.head()\n"])
     text = "".join(t for _, t, _ in await stream(backend, session()))
     assert text == "df.head()\ndf.tail()\ndf.head()\n"
+
+
+async def test_an_output_keeps_its_repeated_lines_and_fences():
+    # What a cell prints may repeat itself and hold Markdown: only code answers lose either.
+    out = "[0, 1, 4]\n[0, 1, 4]\n[0, 1, 4]\n```\nhello\n"
+    backend = ScriptedEngine([out])
+    ctx = session(target_source="print(L)\nprint(L)\nprint(L)\nprint(md)")
+    assert "".join([c.text async for c in backend.predict_output(ctx)]) == out
 
 
 # -- the same engine's OpenAI-compatible HTTP server, for the openai backend ----------------------

@@ -7,7 +7,9 @@ import pytest
 from jupyter_themisto.backends.prompts import (
     QWEN_FIM,
     PromptOptions,
+    approx_tokens,
     completion_prompt,
+    cut_prompt,
     next_cell_prompt,
     object_reprs_only,
     output_prompt,
@@ -235,7 +237,7 @@ def test_output_prompt_is_a_console_session():
     p = output_prompt(ctx)
     assert p.text == (
         ">>> import pandas as pd\n"
-        ">>> for i in range(2):\n...     print(i)\n0\n1\n"
+        ">>> for i in range(2):\n...     print(i)\n... \n0\n1\n"
         ">>> # i: int = 1\n"
         ">>> x = i + 1\n... x\n"
     )
@@ -245,6 +247,54 @@ def test_output_prompt_is_a_console_session():
     assert completion_prompt(ctx, "next-cell") == next_cell_prompt(ctx)
     with pytest.raises(ValueError, match="unknown task"):
         completion_prompt(ctx, "poem")
+
+
+def test_output_prompt_keeps_its_newest_cells_and_a_stable_beginning():
+    def cells(n, lines=1):
+        return [
+            ContextCell(
+                source=f"v{i} = {i}\nprint(v{i})",
+                output_text=f"{i}\n" * lines,
+                order_index=i,
+            )
+            for i in range(n)
+        ]
+
+    long = PredictionContext(cells=cells(3, lines=30), target_source="v2")
+    assert output_prompt(long).text.split("\n").count("2") == 20  # each output: ≤ 20 lines
+    assert output_prompt(long).text.count("…") == 3
+
+    ctx = PredictionContext(cells=cells(40), target_source="print(v39 + 1)")
+    p = output_prompt(ctx, max_tokens=300)
+    assert approx_tokens(p.text) <= 300 and p.text.endswith(">>> print(v39 + 1)\n")
+    assert ">>> v39 = 39" in p.text and ">>> v0 = 0" not in p.text
+    # Consecutive prompts share their beginning (the engine's cache serves them): it moves in
+    # steps of half the budget, not with every new cell.
+    firsts = [
+        output_prompt(
+            PredictionContext(cells=cells(k), target_source=f"v{k} = {k}"), max_tokens=300
+        ).text.split("\n")[0]
+        for k in range(10, 40)
+    ]
+    moves = sum(a != b for a, b in zip(firsts, firsts[1:], strict=False))
+    assert 1 <= moves <= 6, firsts
+    # A cell alone over the budget is still the prompt's end (the engine cuts its beginning).
+    huge = PredictionContext(cells=cells(1), target_source="x = 1\n" * 500)
+    cut = output_prompt(huge, max_tokens=100).text
+    assert cut.endswith("... x = 1\n") and 90 <= approx_tokens(cut) <= 100
+
+
+def test_prompts_are_cut_to_whole_lines_within_characters_and_tokens():
+    numbers = "".join(f"row {i}: {i * 1013 % 99991}\n" for i in range(200))
+    assert approx_tokens("df.head(10)") == 7  # df . head ( 1 0 ): about a tokenizer's count
+    assert approx_tokens("x" * 600) >= 60  # a long run of letters is no single token
+    assert cut_prompt(numbers, 10_000) == numbers
+    by_chars = cut_prompt(numbers, 300)
+    assert len(by_chars) <= 300 and by_chars.startswith("row ") and numbers.endswith(by_chars)
+    by_tokens = cut_prompt(numbers, 10_000, 50)
+    assert approx_tokens(by_tokens) <= 50 and by_tokens.startswith("row ")
+    assert numbers.endswith(by_tokens) and len(by_tokens) < 300  # digits: a token each
+    assert cut_prompt(numbers, 10_000, 0) == ""
 
 
 def test_options_from_backend_settings():

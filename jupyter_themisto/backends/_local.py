@@ -371,6 +371,10 @@ class LocalModelPredictor(Predictor):
         """The most characters of a next-cell prompt (None: the engine takes any length)."""
         return None
 
+    def output_prompt_tokens(self) -> int | None:
+        """The most tokens of an output prompt, about (None: the engine takes any length)."""
+        return None
+
     def next_cell_prompt(self, ctx: PredictionContext, model: SharedModel) -> Prompt:
         """The next-cell prompt of `ctx` for this model (within `prompt_chars`)."""
         return next_cell_prompt(ctx, self.prompt_options, self._fim(model), self.prompt_chars())
@@ -409,18 +413,19 @@ class LocalModelPredictor(Predictor):
         return await asyncio.to_thread(self.shared)
 
     async def _complete(
-        self, job: Completion, status: dict[str, bool] | None = None
+        self, job: Completion, status: dict[str, bool] | None = None, *, code: bool = True
     ) -> AsyncIterator[str]:
-        """Streamed text of one answer: cut at the cell boundary, code fences removed, at most
-        `max_lines` lines, stopped when it repeats itself, and ended `job.time_limit` (else
-        `suggestion_timeout`) seconds after it was asked for (waiting for a free slot included;
-        loading the model not). An answer ended by its time sets `status["timed_out"]`."""
+        """Streamed text of one answer: cut at the cell boundary, at most `max_lines` lines, and
+        ended `job.time_limit` (else `suggestion_timeout`) seconds after it was asked for
+        (waiting for a free slot included; loading the model not). A `code` answer also loses
+        its code fences and is stopped when it repeats itself (an output may repeat lines and
+        hold fences). An answer ended by its time sets `status["timed_out"]`."""
         model = await self._model()
         job = replace(job, time_limit=job.time_limit or self.settings.suggestion_timeout)
         model.remember(job.prompt)
         scanner = StopScanner(job.stops)
-        fences = FenceStripper()
-        bounds = AnswerBounds(max_lines=self.settings.max_lines)
+        fences = FenceStripper() if code else None
+        bounds = AnswerBounds(max_lines=self.settings.max_lines, max_repeats=2 if code else 0)
 
         def run(cancelled: threading.Event, emit: Callable[[str], None]) -> None:
             self.run(model, job, cancelled, emit)
@@ -441,7 +446,8 @@ class LocalModelPredictor(Predictor):
                     if status is not None:
                         status["timed_out"] = True
                     return
-                text = bounds.feed(fences.feed(scanner.feed(piece)))
+                text = scanner.feed(piece)
+                text = bounds.feed(fences.feed(text) if fences else text)
                 if text:
                     yield text
                 if scanner.stopped or bounds.stopped:
@@ -449,7 +455,10 @@ class LocalModelPredictor(Predictor):
         finally:
             await pieces.aclose()
         if not bounds.stopped:
-            rest = bounds.feed(fences.feed(scanner.finish()) + fences.finish()) + bounds.finish()
+            rest = scanner.finish()
+            if fences:
+                rest = fences.feed(rest) + fences.finish()
+            rest = bounds.feed(rest) + bounds.finish()
             if rest:
                 yield rest
 
@@ -633,13 +642,13 @@ class LocalModelPredictor(Predictor):
         if not (ctx.target_source or "").strip():
             raise NoPrediction("there is no cell source to predict the output of")
         job = Completion.of(
-            output_prompt(ctx),
+            output_prompt(ctx, self.output_prompt_tokens()),
             self.settings.output_max_tokens,
             self.settings.temperature,
             self.settings.seed,
         )
         got = False
-        async for text in self._complete(job):
+        async for text in self._complete(job, code=False):
             got = True
             yield OutputChunk(text=text)
         if not got:

@@ -137,7 +137,8 @@ class AnswerBounds:
 
     A small model that has lost its way tends to write the same line again and again (`df.head()`
     ten times) or to cycle through a few lines. The answer is cut before a line that repeats one
-    of the previous `window` lines for the `max_repeats`-th time, and before line `max_lines`+1.
+    of the previous `window` lines for the `max_repeats`-th time (0: never), and before line
+    `max_lines`+1.
     Text is passed on line by line once a line is complete; the last, partial line as it
     streams (it is checked when it completes). `stopped` says the answer should end.
     """
@@ -174,7 +175,7 @@ class AnswerBounds:
             # A line that could still turn out to be a repetition of a recent one is held back.
             candidate = self._partial + buf
             recent = self._lines[-self.window :]
-            if any(old.startswith(candidate) for old in recent if old.strip()):
+            if self.max_repeats and any(old.startswith(candidate) for old in recent if old.strip()):
                 self._held = buf
             else:
                 out.append(buf)
@@ -191,7 +192,7 @@ class AnswerBounds:
     def _ends_here(self, line: str) -> bool:
         if len(self._lines) >= self.max_lines:
             return True
-        if not line.strip():
+        if not line.strip() or not self.max_repeats:
             return False
         recent = self._lines[-self.window :]
         return sum(1 for old in recent if old == line) >= self.max_repeats

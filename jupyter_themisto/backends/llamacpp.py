@@ -35,7 +35,7 @@ from ._local import (
     shared_model,
 )
 from .base import BackendError, BackendUnavailable
-from .prompts import QWEN_FIM, FimTokens, Prompt, next_cell_prompt
+from .prompts import QWEN_FIM, FimTokens, Prompt, cut_prompt, next_cell_prompt
 
 #: characters per token assumed when a prompt is cut to max_prompt_tokens (code: ~3.5-4)
 CHARS_PER_TOKEN = 3.0
@@ -80,16 +80,6 @@ def _has_special_tokens(server: Any, fim: FimTokens) -> bool:
         return False
 
 
-def cut_prompt(prompt: str, max_chars: int) -> str:
-    """The tail of `prompt` within `max_chars`, starting at a line (the newest cells matter
-    most, and the prompt ends where the answer begins)."""
-    if len(prompt) <= max_chars:
-        return prompt
-    tail = prompt[len(prompt) - max_chars :]
-    newline = tail.find("\n")
-    return tail[newline + 1 :] if 0 <= newline < len(tail) - 1 else tail
-
-
 class LlamaCppSettings(LocalModelSettings):
     model: str = Field(
         model_files.DEFAULT_MODEL,
@@ -102,6 +92,13 @@ class LlamaCppSettings(LocalModelSettings):
     n_ctx: int = Field(2048, ge=16, description="context window of one slot, in tokens")
     parallel: int = Field(2, ge=1, description="slots: generations at once")
     n_threads: int | None = Field(None, ge=0, description="threads (default: the usable cores)")
+    n_batch: int = Field(
+        128,
+        ge=16,
+        description="tokens of a prompt evaluated at a time: an answer ended by its time (or"
+        " superseded) stops within one such step, even before its first token, and frees the"
+        " engine (evaluating 128 tokens takes ~1–2 s on 2 cores)",
+    )
     max_prompt_tokens: int | None = Field(
         None,
         ge=0,
@@ -123,6 +120,14 @@ class LlamaCppSettings(LocalModelSettings):
         " within this many tokens (e.g. 256), to be answered sooner; the whole prompt is"
         " evaluated after the answer, for the next one (0, the default: always the whole"
         " prompt; see README for what it cost in chrF)",
+    )
+    output_prompt_tokens: int = Field(
+        384,
+        ge=0,
+        description="an output prompt (the console session before the cell) keeps its newest"
+        " cells within this many tokens, its beginning moved in steps so that consecutive"
+        " predictions share the engine's cache (0: up to `max_prompt_tokens`, cut anew each"
+        " time)",
     )
     cache_reuse_tokens: int = Field(
         256,
@@ -206,6 +211,7 @@ class LlamaCppPredictor(LocalModelPredictor):
             self.settings.n_ctx,
             self.settings.parallel,
             self.n_threads,
+            self.settings.n_batch,
             self.settings.flash_attn,
             self.settings.cache_ram_mb,
         )
@@ -227,6 +233,9 @@ class LlamaCppPredictor(LocalModelPredictor):
             params.n_predict = max(self.settings.max_tokens, self.settings.output_max_tokens)
             params.cpuparams.n_threads = self.n_threads
             params.cpuparams_batch.n_threads = self.n_threads
+            # The engine looks for cancelled requests between steps of n_batch tokens: a long
+            # prompt evaluated in one step could not be stopped for seconds.
+            params.n_batch = params.n_ubatch = self.settings.n_batch
             params.cache_ram_mib = self.settings.cache_ram_mb
             params.flash_attn_type = (
                 xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -272,6 +281,12 @@ class LlamaCppPredictor(LocalModelPredictor):
             return None
         return int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
 
+    def output_prompt_tokens(self) -> int | None:
+        """`output_prompt_tokens` (None with 0: `request` cuts the prompt)."""
+        if not self.settings.output_prompt_tokens:
+            return None
+        return min(self.settings.output_prompt_tokens, self.settings.prompt_budget())
+
     def cold_prompt(
         self, ctx: PredictionContext, model: SharedModel, prompt: Prompt
     ) -> Prompt | None:
@@ -292,16 +307,18 @@ class LlamaCppPredictor(LocalModelPredictor):
     def request(self, job: Completion, *, stream: bool = True) -> dict[str, Any]:
         """The llama.cpp server completion request for `job`."""
         # (prompts from `next_cell_prompt` fit already; this bounds any other)
-        max_chars = int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
+        budget = self.settings.prompt_budget()
+        max_chars = int(budget * CHARS_PER_TOKEN)
         if job.suffix is not None:
             # Fill in the middle: the prefix keeps its end, the suffix its beginning, and the
             # FIM tokens stay around them.
             fim = job.fim or QWEN_FIM
             suffix = job.suffix[: max_chars // 4]
-            prefix = cut_prompt(job.prompt, max_chars - len(suffix))
+            prefix = cut_prompt(job.prompt, max_chars - len(suffix), budget - budget // 4)
             prompt = f"{fim.prefix}{prefix}{fim.suffix}{suffix}{fim.middle}"
         else:
-            prompt = cut_prompt(job.prompt, max_chars)
+            # (characters / 3 underestimates numbers and tables: the tokens bound them too)
+            prompt = cut_prompt(job.prompt, max_chars, budget)
         body: dict[str, Any] = {
             "prompt": prompt,
             "max_tokens": job.max_tokens,
@@ -311,6 +328,9 @@ class LlamaCppPredictor(LocalModelPredictor):
             "stream": stream,
             "cache_prompt": True,
         }
+        if stream:
+            # A chunk after each n_batch step of the prompt: `run` may stop the request there.
+            body["return_progress"] = True
         if job.temperature > 0:
             body.update(top_p=0.95, top_k=40)
         if job.time_limit > 0:
@@ -358,7 +378,7 @@ class LlamaCppPredictor(LocalModelPredictor):
             text = choices[0].get("text") or ""
             if text:
                 emit(text)
-            return cancelled.is_set()  # True stops the generation at this token
+            return cancelled.is_set()  # True stops the request at this token or prompt step
 
         model.model.handle_completions(self.request(job), on_chunk)
         if errors and not cancelled.is_set():
