@@ -295,13 +295,13 @@ def cut_prompt(prompt: str, max_chars: int, max_tokens: int | None = None) -> st
 def stable_start(
     blocks: list[str],
     fixed: int,
-    max_chars: int | None,
+    budget: int | None,
     after: list[bool],
     size: Callable[[str], int] = len,
 ) -> int:
-    """The first of `blocks` (the rendered cells, oldest first) a prompt of at most `max_chars`
-    keeps, besides `fixed` characters that are always there (both measured by `size`: in
-    characters, or in tokens with `approx_tokens`).
+    """The first of `blocks` (the rendered cells, oldest first) a prompt of at most `budget`
+    keeps, besides `fixed` that are always there (both measured by `size`: in characters, or
+    in tokens with `approx_tokens`).
 
     Old cells go in steps of half the budget, counted from the first block: the cut stays at
     the same cell while the newest cells add up to half a budget, so consecutive prompts share
@@ -312,10 +312,10 @@ def stable_start(
     """
     sizes = [size(b) for b in blocks]
     total = fixed + sum(sizes)
-    if max_chars is None or total <= max_chars or not blocks:
+    if budget is None or total <= budget or not blocks:
         return 0
-    step = max(1, max_chars // 2)
-    over = total - max_chars
+    step = max(1, budget // 2)
+    over = total - budget
     threshold = -(-over // step) * step  # `over` rounded up to whole steps
     dropped = 0
     for i, n in enumerate(sizes):
