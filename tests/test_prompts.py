@@ -241,7 +241,7 @@ def test_output_prompt_is_a_console_session():
         ">>> # i: int = 1\n"
         ">>> x = i + 1\n... x\n"
     )
-    assert p.stops == [">>> ", "\n... ", "\n```"]
+    assert p.stops == [">>> "]
     assert "# i: int" not in output_prompt(session(target_source="print(1)")).text
     assert completion_prompt(ctx, "output") == p
     assert completion_prompt(ctx, "next-cell") == next_cell_prompt(ctx)

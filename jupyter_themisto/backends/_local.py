@@ -266,11 +266,6 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-#: how an answer to an output prompt begins when the model left the console session: more
-#: lines of the cell (`... `) or a chat answer (a code fence, then prose about the code)
-LEFT_CONSOLE = ("... ", "```")
-
-
 class LocalModelSettings(PromptSettings):
     """Settings of every backend that runs a model in this process (and the `prompt_*` ones)."""
 
@@ -653,22 +648,9 @@ class LocalModelPredictor(Predictor):
             self.settings.seed,
         )
         got = False
-        head: str | None = ""  # the answer's beginning, held while it may be LEFT_CONSOLE
         async for text in self._complete(job, code=False):
-            if head is not None:
-                head += text
-                if any(s.startswith(head) and s != head for s in LEFT_CONSOLE):
-                    continue
-                if head.startswith(LEFT_CONSOLE):
-                    raise NoPrediction(
-                        f"the {self.name} model wrote more code or prose, not an output"
-                    )
-                text, head = head, None
             got = True
             yield OutputChunk(text=text)
-        if head:  # (shorter than any of LEFT_CONSOLE)
-            got = True
-            yield OutputChunk(text=head)
         if not got:
             raise NoPrediction(f"the {self.name} model predicts no output for this cell")
 

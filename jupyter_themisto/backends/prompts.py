@@ -426,8 +426,7 @@ def output_prompt(
     `>>> ` and `... ` before each cell's lines (an indented block ends with an empty `... `
     line, as a console needs it to run the block), then what it printed, at most
     `max_output_lines` lines of it; of the live variables only those the cell names (a small
-    model copies what it is shown). Ends at the next `>>> ` (or a line of `... ` or a code
-    fence: the model wrote more code or a chat answer). With `max_tokens`, the session
+    model copies what it is shown). Ends at the next `>>> `. With `max_tokens`, the session
     keeps its newest cells within about that many tokens (`approx_tokens`), its beginning
     moved in steps (`stable_start`: consecutive prompts of a notebook share it, and the
     engine's cache), and a cell too long for it alone keeps its end.
@@ -458,8 +457,7 @@ def output_prompt(
     text = _SPECIAL.sub("", "".join(blocks[start:]) + tail)
     if max_tokens is not None:
         text = cut_prompt(text, len(text), max_tokens)  # a cell too long alone keeps its end
-    # (a line of `... ` or a fence in an answer: the model left the console)
-    return Prompt(text=text, stops=[">>> ", "\n... ", "\n```"], prefix=text)
+    return Prompt(text=text, stops=[">>> "], prefix=text)
 
 
 def completion_prompt(
