@@ -238,15 +238,106 @@ def test_output_prompt_is_a_console_session():
     assert p.text == (
         ">>> import pandas as pd\n"
         ">>> for i in range(2):\n...     print(i)\n... \n0\n1\n"
-        ">>> # i: int = 1\n"
+        ">>> i\n1\n"
         ">>> x = i + 1\n... x\n"
     )
     assert p.stops == [">>> "]
-    assert "# i: int" not in output_prompt(session(target_source="print(1)")).text
+    assert ">>> i\n" not in output_prompt(session(target_source="print(1)")).text
     assert completion_prompt(ctx, "output") == p
     assert completion_prompt(ctx, "next-cell") == next_cell_prompt(ctx)
     with pytest.raises(ValueError, match="unknown task"):
         completion_prompt(ctx, "poem")
+
+
+def test_output_prompt_asks_the_console_for_what_the_cell_reads():
+    """Live variables the cell reads are shown as a console shows them when asked, right
+    before the cell: their value, an array's shape where its repr was cut, a frame's shape and
+    columns. What the cell binds itself is not shown (its old value is not what it prints)."""
+    columns = [f"c{k}" for k in range(25)]
+    variables = [
+        VariableInfo(name="i", type="int", summary={"repr": "1"}),
+        VariableInfo(
+            name="M",
+            type="numpy.ndarray",
+            summary={"shape": [2, 2], "repr": "array([[1, 2],\n       [3, 4]])"},
+        ),
+        VariableInfo(
+            name="big",
+            type="numpy.ndarray",
+            summary={"shape": [1000], "repr": "array([  0,   1, ..., 999])"},
+        ),
+        VariableInfo(
+            name="df",
+            type="pandas.DataFrame",
+            summary={"shape": [3, 2], "columns": ["a", "b"], "repr": "   a  b\n0 ..."},
+        ),
+        VariableInfo(
+            name="wide", type="pandas.DataFrame", summary={"shape": [1, 25], "columns": columns}
+        ),
+        VariableInfo(name="token", type="str", summary={"redacted": True}),
+        VariableInfo(name="obj", type="mymod.Thing", summary={}),
+    ]
+
+    def tail(source, with_runtime=True):
+        ctx = PredictionContext(
+            cells=[], variables=variables, target_source=source, with_runtime=with_runtime
+        )
+        return output_prompt(ctx).text
+
+    assert tail("M.T") == ">>> M\narray([[1, 2],\n       [3, 4]])\n>>> M.T\n"
+    assert tail("big.mean()") == ">>> big.shape\n(1000,)\n>>> big.mean()\n"
+    assert tail("df.head()") == (
+        ">>> df.shape\n(3, 2)\n>>> df.columns.tolist()\n['a', 'b']\n>>> df.head()\n"
+    )
+    wide = tail("wide.describe()")
+    assert ">>> wide.columns.tolist()[:20]\n['c0'," in wide and "'c19']\n" in wide
+    assert tail("print(token)") == ">>> print(token)\n"  # redacted: nothing of it
+    assert tail("obj") == ">>> type(obj)\n<class 'mymod.Thing'>\n>>> obj\n"
+    assert tail("M.T", with_runtime=False) == ">>> M.T\n"
+    # Bound by the cell: assigned, augmented, a loop's target, imported, defined, deleted.
+    for source in (
+        "i = 5\nprint(i)",
+        "i += 1\ni",
+        "for i in range(3):\n    print(i)",
+        "import i\ni",
+        "def i():\n    pass\ni",
+        "del i",
+    ):
+        assert ">>> i\n1\n" not in tail(source), source
+    assert tail("x = i + 1\nx").startswith(">>> i\n1\n")  # read, not bound
+    # Not Python (a magic): an assignment at a line's start still binds; a comparison does not.
+    assert ">>> i\n1\n" not in tail("%%time\ni = 2\ni")
+    assert tail("%%time\ni <= 2").startswith(">>> i\n1\n")
+
+
+def test_output_prompt_shows_what_the_recorder_summarized_as_the_console_would():
+    """The recorder's summaries (kernel/variables.py) of real values, asked for in the prompt:
+    a small array's value is its repr, a long one's repr was cut so its shape is shown."""
+    import numpy as np
+    import pandas as pd
+
+    from jupyter_themisto.kernel.variables import summarize, type_name
+
+    values = {
+        "small": np.array([[1, 2], [3, 4]]),
+        "long": np.arange(1000),
+        "df": pd.DataFrame({"x": [1, 2, 3], "y": ["a", "b", "c"]}),
+        "name": "Ada",
+    }
+    variables = [
+        VariableInfo(name=k, type=type_name(v), summary=summarize(v, 200))
+        for k, v in values.items()
+    ]
+    ctx = PredictionContext(
+        cells=[], variables=variables, target_source="(small * 2, long.sum(), df.x.max(), name)"
+    )
+    assert output_prompt(ctx).text == (
+        f">>> small\n{values['small']!r}\n"
+        ">>> long.shape\n(1000,)\n"
+        ">>> df.shape\n(3, 2)\n>>> df.columns.tolist()\n['x', 'y']\n"
+        ">>> name\n'Ada'\n"
+        ">>> (small * 2, long.sum(), df.x.max(), name)\n"
+    )
 
 
 def test_output_prompt_keeps_its_newest_cells_and_a_stable_beginning():

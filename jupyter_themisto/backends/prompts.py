@@ -24,7 +24,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..context import ContextCell, PredictionContext, variable_line
+from ..context import (
+    ContextCell,
+    PredictionContext,
+    VariableInfo,
+    bound_names,
+    parse_cell,
+    variable_line,
+)
 from .base import Task
 from .settings import BackendSettings
 
@@ -425,15 +432,18 @@ def output_prompt(
 
     `>>> ` and `... ` before each cell's lines (an indented block ends with an empty `... `
     line, as a console needs it to run the block), then what it printed, at most
-    `max_output_lines` lines of it; of the live variables only those the cell names (a small
-    model copies what it is shown). Ends at the next `>>> `. With `max_tokens`, the session
+    `max_output_lines` lines of it. With runtime information, the live variables the cell
+    reads (and does not bind) come right before it, as the console shows them when asked
+    (`_echo`: `>>> v` and its value; a small model copies what it is shown, so only those,
+    and never one the cell rebinds). Ends at the next `>>> `. With `max_tokens`, the session
     keeps its newest cells within about that many tokens (`approx_tokens`), its beginning
     moved in steps (`stable_start`: consecutive prompts of a notebook share it, and the
     engine's cache), and a cell too long for it alone keeps its end.
     """
     shown = ctx.variables if ctx.with_runtime else []
     named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
-    variables = [variable_line(v) for v in shown if v.name in named]
+    named -= _bound(ctx.target_source or "")
+    asked = [line for v in shown if v.name in named for line in _echo(v)]
 
     def console(source: str) -> list[str]:
         src = source.rstrip().splitlines() or [""]
@@ -450,7 +460,7 @@ def output_prompt(
         if c.output_text.strip():
             lines += _cut_output(c, max_output_lines)
         blocks.append("\n".join(lines) + "\n")
-    tail = "".join(f">>> # {v}\n" for v in variables)
+    tail = "".join(f"{line}\n" for line in asked)
     tail += "\n".join(console(ctx.target_source or "")) + "\n"
     fixed = approx_tokens(tail)
     start = stable_start(blocks, fixed, max_tokens, [True] * len(blocks), approx_tokens)
@@ -458,6 +468,40 @@ def output_prompt(
     if max_tokens is not None:
         text = cut_prompt(text, len(text), max_tokens)  # a cell too long alone keeps its end
     return Prompt(text=text, stops=[">>> "], prefix=text)
+
+
+def _echo(v: VariableInfo) -> list[str]:
+    """A live variable as a console shows it when asked: its value, else its shape (an array
+    whose repr was cut), a frame's shape and columns; nothing of a redacted one."""
+    s = v.summary
+    if s.get("redacted"):
+        return []
+    if s.get("columns"):
+        columns = [str(c) for c in s["columns"]]
+        ask = f"{v.name}.columns.tolist()" + ("[:20]" if len(columns) > 20 else "")
+        shape = [f">>> {v.name}.shape", str(tuple(s["shape"]))] if s.get("shape") else []
+        return shape + [f">>> {ask}", str(columns[:20])]
+    text = str(s.get("repr") or "")
+    cut = "..." in text  # the recorder's short repr ends so, reprlib's elides the middle so
+    if text and not (cut and s.get("shape")):
+        return [f">>> {v.name}", text]
+    if s.get("shape"):
+        return [f">>> {v.name}.shape", str(tuple(s["shape"]))]
+    return [f">>> type({v.name})", f"<class '{v.type}'>"]
+
+
+#: what may stand before `=` in an augmented assignment (`+=`, `//=`, `**=`, `>>=`, …)
+_AUGMENTED = r"(?:[-+*/%&|^@]|//|\*\*|<<|>>)"
+
+
+def _bound(source: str) -> set[str]:
+    """The names a cell binds (assignments, loop targets, imports, definitions): what they held
+    before it ran is not what it shows. A cell that is not Python (a cell magic, a syntax
+    error): the names assigned at the start of a line."""
+    tree = parse_cell(source)
+    if tree is not None:
+        return bound_names(tree)
+    return set(re.findall(rf"^\s*([A-Za-z_]\w*)\s*{_AUGMENTED}?=(?!=)", source, re.M))
 
 
 def completion_prompt(
