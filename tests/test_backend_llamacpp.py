@@ -72,8 +72,9 @@ async def next_cells(backend, ctx, n=1):
 
 
 def llama(**settings) -> LlamaCppPredictor:
-    """The backend with a time limit no loaded test machine reaches (the limit is tested alone)."""
+    """The backend with time limits no loaded test machine reaches (the limits are tested alone)."""
     settings.setdefault("suggestion_timeout", 300)
+    settings.setdefault("output_timeout", 300)
     return LlamaCppPredictor(settings)
 
 
@@ -181,6 +182,25 @@ async def test_an_answer_ends_at_its_time_limit(model_file):
     # ended early and kept what came).
     assert len(cut) < len(whole) and whole.startswith(cut)
     print(f"\nanswer with a 0.05 s limit: {len(cut)} chars in {time.monotonic() - start:.2f} s")
+
+
+async def test_an_output_prediction_has_its_own_time_limit(model_file):
+    """An output prediction streams into an area with a Cancel button: `output_timeout` bounds
+    it, not the ghost text's `suggestion_timeout`."""
+    ctx = PredictionContext(cells=[], target_source="for i in range(30):\n    print(i)")
+
+    async def output(backend):
+        try:
+            return "".join([c.text async for c in backend.predict_output(ctx)])
+        except NoPrediction:  # nothing came within the time
+            return ""
+
+    whole = await output(llama(output_max_tokens=24))
+    ghost_bound = llama(output_max_tokens=24, suggestion_timeout=0.05)
+    assert await output(ghost_bound) == whole and ghost_bound.timed_out == 0
+    output_bound = llama(output_max_tokens=24, output_timeout=0.05)
+    cut = await output(output_bound)
+    assert output_bound.timed_out == 1 and len(cut) < len(whole) and whole.startswith(cut)
 
 
 async def test_answers_are_capped_in_lines(model_file):
@@ -454,6 +474,8 @@ async def test_bad_settings_and_model_paths_are_clear(tmp_path):
         llama(model="gpt")
     with pytest.raises(ValueError, match="suggestion_timeout"):
         llama(suggestion_timeout=0)
+    with pytest.raises(ValueError, match="output_timeout"):
+        llama(output_timeout=-1)
 
 
 async def test_the_engines_own_listener_refuses_everyone(model_file):

@@ -130,7 +130,7 @@ async def test_next_cell_equals_transformers_generate(model_dir):
 
 async def test_output_prediction_equals_transformers_generate(model_dir):
     backend = Seq2SeqPredictor(
-        {"model_path": str(model_dir), "output_max_tokens": 12, "suggestion_timeout": 300}
+        {"model_path": str(model_dir), "output_max_tokens": 12, "output_timeout": 300}
     )
     ctx = session(target_source="x.mean()")
     text = "".join([c.text async for c in backend.predict_output(ctx)])

@@ -182,12 +182,8 @@ def test_defaults_are_unchanged(monkeypatch):
         ll.settings.output_max_tokens,
         ll.settings.max_lines,
         ll.settings.suggestion_timeout,
-    ) == (
-        128,
-        128,
-        30,
-        5.0,
-    )
+        ll.settings.output_timeout,
+    ) == (128, 128, 30, 5.0, 15.0)
     assert (ll.settings.temperature, ll.settings.sample_temperature, ll.settings.seed) == (
         0.0,
         0.8,

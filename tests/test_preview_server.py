@@ -34,7 +34,7 @@ def fallback_settings(fallback, request):
     if fallback == "llamacpp":
         # A whole answer within the default 5 s is not what is tested here: a loaded machine
         # ended it before the model's first word (an empty answer).
-        return {"llamacpp": {"suggestion_timeout": 120.0}}
+        return {"llamacpp": {"suggestion_timeout": 120.0, "output_timeout": 120.0}}
     return {}
 
 

@@ -277,6 +277,12 @@ class LocalModelSettings(PromptSettings):
         gt=0,
         description="seconds one answer may take from being asked for (what came by then is kept)",
     )
+    output_timeout: float = Field(
+        15.0,
+        gt=0,
+        description="seconds an output prediction may take (it streams into the predicted-output"
+        " area, which has a Cancel button; what came by then is kept)",
+    )
     temperature: float = Field(
         0.0, ge=0, description="of the first suggestion and of output predictions (0: greedy)"
     )
@@ -646,6 +652,7 @@ class LocalModelPredictor(Predictor):
             self.settings.output_max_tokens,
             self.settings.temperature,
             self.settings.seed,
+            self.settings.output_timeout,
         )
         got = False
         async for text in self._complete(job, code=False):
