@@ -294,6 +294,10 @@ def test_output_prompt_asks_the_console_for_what_the_cell_reads():
     assert tail("print(token)") == ">>> print(token)\n"  # redacted: nothing of it
     assert tail("obj") == ">>> type(obj)\n<class 'mymod.Thing'>\n>>> obj\n"
     assert tail("M.T", with_runtime=False) == ">>> M.T\n"
+    # The very question the cell asks is not asked just before it (a small model then answers
+    # something else): the cell shows the value itself.
+    assert tail("M\n") == ">>> M\n"
+    assert tail("df.shape") == ">>> df.shape\n"
     # Bound by the cell: assigned, augmented, a loop's target, imported, defined, deleted.
     for source in (
         "i = 5\nprint(i)",

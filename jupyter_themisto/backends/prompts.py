@@ -443,7 +443,15 @@ def output_prompt(
     shown = ctx.variables if ctx.with_runtime else []
     named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
     named -= _bound(ctx.target_source or "")
-    asked = [line for v in shown if v.name in named for line in _echo(v)]
+    cell = ctx.target_source.strip() if ctx.target_source else ""
+    asked: list[str] = []
+    for v in shown:
+        echo = _echo(v) if v.name in named else []
+        # Asked right before the very same question (`>>> x` before the cell `x`), a small model
+        # takes the repeat for a mistake and answers something else (or nothing): the cell is left
+        # to show the value itself.
+        if f">>> {cell}" not in echo[::2]:
+            asked += echo
 
     def console(source: str) -> list[str]:
         src = source.rstrip().splitlines() or [""]
