@@ -435,10 +435,10 @@ def output_prompt(
     `max_output_lines` lines of it. With runtime information, the live variables the cell
     reads (and does not bind) come right before it, as the console shows them when asked
     (`_echo`: `>>> v` and its value; a small model copies what it is shown, so only those,
-    never one the cell rebinds, and never the cell's own question). Ends at the next `>>> `. With `max_tokens`, the session
-    keeps its newest cells within about that many tokens (`approx_tokens`), its beginning
-    moved in steps (`stable_start`: consecutive prompts of a notebook share it, and the
-    engine's cache), and a cell too long for it alone keeps its end.
+    never one the cell rebinds, and never the cell's own question). Ends at the next `>>> `.
+    With `max_tokens`, the session keeps its newest cells within about that many tokens
+    (`approx_tokens`), its beginning moved in steps (`stable_start`: consecutive prompts of a
+    notebook share it, and the engine's cache), and a cell too long for it alone keeps its end.
     """
     shown = ctx.variables if ctx.with_runtime else []
     named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
