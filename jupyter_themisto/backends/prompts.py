@@ -445,8 +445,7 @@ def output_prompt(
     named -= _bound(ctx.target_source or "")
     cell = ctx.target_source.strip() if ctx.target_source else ""
     asked: list[str] = []
-    for v in shown:
-        echo = _echo(v) if v.name in named else []
+    for echo in (_echo(v) for v in shown if v.name in named):
         # Asked right before the very same question (`>>> x` before the cell `x`), a small model
         # takes the repeat for a mistake and answers something else (or nothing): the cell is left
         # to show the value itself.
@@ -484,18 +483,16 @@ def _echo(v: VariableInfo) -> list[str]:
     s = v.summary
     if s.get("redacted"):
         return []
+    shape = [f">>> {v.name}.shape", str(tuple(s["shape"]))] if s.get("shape") else []
     if s.get("columns"):
         columns = [str(c) for c in s["columns"]]
         ask = f"{v.name}.columns.tolist()" + ("[:20]" if len(columns) > 20 else "")
-        shape = [f">>> {v.name}.shape", str(tuple(s["shape"]))] if s.get("shape") else []
         return shape + [f">>> {ask}", str(columns[:20])]
     text = str(s.get("repr") or "")
     cut = "..." in text  # the recorder's short repr ends so, reprlib's elides the middle so
-    if text and not (cut and s.get("shape")):
+    if text and not (cut and shape):
         return [f">>> {v.name}", text]
-    if s.get("shape"):
-        return [f">>> {v.name}.shape", str(tuple(s["shape"]))]
-    return [f">>> type({v.name})", f"<class '{v.type}'>"]
+    return shape or [f">>> type({v.name})", f"<class '{v.type}'>"]
 
 
 #: what may stand before `=` in an augmented assignment (`+=`, `//=`, `**=`, `>>=`, …)
