@@ -33,7 +33,7 @@ from jupyter_themisto.backends._local import (
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, QWEN_CODER_15B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
-from jupyter_themisto.backends.prompts import QWEN_FIM, next_cell_prompt
+from jupyter_themisto.backends.prompts import QWEN_FIM, QWEN_REPO, next_cell_prompt
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
 from jupyter_themisto.store import TrajectoryStore
 
@@ -242,6 +242,46 @@ async def test_fim_tokens_are_found_in_the_models_vocabulary(model_file):
     assert backend.fim_tokens(backend.shared()) == QWEN_FIM
     tiny = llama(model="smollm2-135m")
     assert tiny.fim_tokens(tiny.shared()) is None  # it spells them with several tokens
+
+
+async def test_what_came_next_in_another_notebook_reaches_the_model(model_file, tmp_path):
+    # The history holds a notebook whose cells resemble this one's: the cell that came next
+    # there goes before the script as another file of the repository, and the model uses it.
+    store = TrajectoryStore(tmp_path / "t.sqlite")
+    other = store.create_trajectory(notebook_path="old/report.ipynb")
+    for source in (
+        "import pandas as pd",
+        "orders = pd.read_csv('orders.csv')",
+        "orders.groupby('zq_region')['zq_revenue'].sum()",
+    ):
+        store.add_execution(other, {"source": source, "status": "ok"})
+    # (no continuation: the cells ran in the same order there, which would answer first)
+    settings = {"max_tokens": 24, "suggestion_timeout": 300, "retrieval": {"continuation_cells": 0}}
+    backend = LlamaCppPredictor(settings, BackendEnv(store=store))
+    model = backend.shared()
+    assert backend.repo_tokens(model) == QWEN_REPO
+    ctx = PredictionContext(
+        cells=[
+            ContextCell(source="import pandas as pd", execution_count=1, order_index=0),
+            ContextCell(
+                source="orders = pd.read_csv('orders.csv')", execution_count=2, order_index=1
+            ),
+        ],
+        notebook_path="new/sales.ipynb",
+        with_runtime=False,
+    )
+    prompt = await backend._prompt_with_examples(ctx, model)
+    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>report.py\n# %%\n")
+    assert "<|file_sep|>sales.py\n# %%\nimport pandas as pd\n" in prompt.text
+    texts = await next_cells(backend, ctx)
+    assert "zq_region" in texts[0], texts
+    off = LlamaCppPredictor({**settings, "prompt_examples": 0}, BackendEnv(store=store))
+    assert "zq_region" not in (await off._prompt_with_examples(ctx, model)).text
+    assert "zq_region" not in (await next_cells(off, ctx))[0]
+    tiny = llama(model="smollm2-135m")
+    assert tiny.repo_tokens(tiny.shared()) is None  # it spells them with several tokens
+    assert (await tiny._prompt_with_examples(ctx, tiny.shared())).text.startswith("# %%")
+    store.close()
 
 
 async def test_cells_below_become_a_fim_suffix_that_a_long_prompt_keeps(model_file):

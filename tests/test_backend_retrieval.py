@@ -117,6 +117,32 @@ async def test_corpus_directory_without_history(tmp_path):
     assert (await missing.health())["ok"] is False
 
 
+async def test_examples_are_places_in_other_notebooks_with_the_cells_before_them(store, tmp_path):
+    mine = record(store, EDA, notebook_path="work/sales.ipynb")
+    record(store, EDA, notebook_path="old/eda.ipynb")
+    record(store, EDA[:4] + ["sales.info()"], notebook_path="old/again.ipynb")
+    record(store, TRAIN, notebook_path="old/train.ipynb")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "tutorial.ipynb").write_text(
+        json.dumps({"cells": [{"cell_type": "code", "source": c} for c in EDA]})
+    )
+    backend = RetrievalPredictor({"corpus_dir": str(tmp_path / "corpus")}, BackendEnv(store=store))
+    ctx = build_context([{"source": s} for s in EDA[:3]], trajectory_id=mine)
+    found = await backend.examples(ctx, 3)
+    # One place per notebook, never the notebook's own trajectory (its cells are in the prompt):
+    # each the cell that came after cells like these, and the two run before it there.
+    assert {e.name for e in found} == {"old/eda.ipynb", "old/again.ipynb", "tutorial.ipynb"}
+    assert all(e.cells == tuple(EDA[1:4]) for e in found)
+    assert [e.name for e in await backend.examples(ctx, 1)] == [found[0].name]
+    assert len(await backend.examples(ctx, 1, before=0)) == 1
+    assert (await backend.examples(ctx, 1, before=0))[0].cells == (EDA[3],)
+    # Nothing alike, or nothing recorded: no examples (the prompt goes without them).
+    unknown = build_context([{"source": "zzz_qqq = 1"}])
+    assert await backend.examples(unknown, 2) == []
+    empty = RetrievalPredictor({}, BackendEnv(store=TrajectoryStore(tmp_path / "e.sqlite")))
+    assert await empty.examples(ctx, 2) == []
+
+
 async def test_empty_history_is_no_prediction(store):
     backend = RetrievalPredictor({}, BackendEnv(store=store))
     with pytest.raises(NoPrediction, match="no recorded history"):

@@ -6,6 +6,8 @@ import pytest
 
 from jupyter_themisto.backends.prompts import (
     QWEN_FIM,
+    QWEN_REPO,
+    Example,
     PromptOptions,
     approx_tokens,
     completion_prompt,
@@ -223,6 +225,65 @@ def test_special_tokens_in_a_notebook_cannot_reach_the_model():
     chat = next_cell_prompt(ctx, PromptOptions(template="chatml"))
     assert chat.special and chat.text.count("<|fim_middle|>") == 0
     assert chat.text.count("<|im_start|>") == 3  # system, user, assistant
+
+
+def test_examples_from_other_notebooks_come_first_as_files_of_the_repository():
+    ctx = session(notebook_path="work/sales.ipynb")
+    long = "\n".join(f"step{i}()" for i in range(15))
+    examples = [
+        Example("old/eda.ipynb", ("import pandas as pd", "df = pd.read_csv('x.csv')", "df.head()")),
+        Example("t-1234", (long,)),
+        Example("third.ipynb", ("never shown",)),
+    ]
+    plain = next_cell_prompt(ctx)
+    p = next_cell_prompt(ctx, PromptOptions(), examples=examples, repo=QWEN_REPO)
+    assert p.text == (
+        "<|repo_name|>notebooks\n"
+        "<|file_sep|>eda.py\n# %%\nimport pandas as pd\n\n# %%\ndf = pd.read_csv('x.csv')\n\n"
+        "# %%\ndf.head()\n\n"
+        "<|file_sep|>t-1234.py\n# %%\n" + "\n".join(f"step{i}()" for i in range(12)) + "\n...\n\n"
+        "<|file_sep|>sales.py\n" + plain.text
+    )
+    assert p.special and p.prefix == p.text and p.suffix is None
+    assert p.stops == plain.stops + ["<|file_sep|>", "<|repo_name|>"]
+    one = next_cell_prompt(
+        ctx, PromptOptions(examples=1, example_lines=2), examples=examples, repo=QWEN_REPO
+    )
+    assert "t-1234" not in one.text and "df.head()" in one.text
+    # Without the model's tokens, with the option off, the chat template or the cells below (a
+    # fill-in-the-middle prompt), the examples are not used.
+    assert next_cell_prompt(ctx, examples=examples) == plain
+    assert (
+        next_cell_prompt(ctx, PromptOptions(examples=0), examples=examples, repo=QWEN_REPO) == plain
+    )
+    chat = next_cell_prompt(
+        ctx, PromptOptions(template="chatml"), examples=examples, repo=QWEN_REPO
+    )
+    assert "<|file_sep|>" not in chat.text
+    ctx.cells_below = [ContextCell(source="df.plot()", status="not run")]
+    fim = next_cell_prompt(
+        ctx, PromptOptions(below=True), QWEN_FIM, examples=examples, repo=QWEN_REPO
+    )
+    assert fim.suffix is not None and "<|file_sep|>" not in fim.text
+
+
+def test_examples_are_kept_whole_and_the_script_is_cut_to_the_engines_limit():
+    ctx = build_context(code_rows(200))
+    examples = [
+        Example("a.ipynb", ("a = 1", "a + 1")),
+        Example("<|fim_middle|>b", ("'<|endoftext|>'",)),
+    ]
+    p = next_cell_prompt(
+        ctx, PromptOptions(cells=0), examples=examples, repo=QWEN_REPO, limit=(400, 150)
+    )
+    files, script = p.text.split("<|file_sep|>notebook.py\n")
+    assert files == (
+        "<|repo_name|>notebooks\n<|file_sep|>a.py\n# %%\na = 1\n\n# %%\na + 1\n\n"
+        "<|file_sep|>b.py\n# %%\n''\n\n"
+    )  # a name or cell spelled like a special token loses it
+    assert len(p.text) <= 400 and approx_tokens(p.text) <= 150
+    assert script.startswith("# %%\nx") and script.endswith("x199 = 199\n\n# %%\n")
+    assert p.text.count("<|") == 4  # the repository's name and three file separators, no more
 
 
 def test_chatml_template_opens_a_code_fence():

@@ -25,7 +25,15 @@ from pydantic import Field
 from ..context import PredictionContext
 from ._text import AnswerBounds, FenceStripper, StopScanner, degenerate_reason, hold_back
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
-from .prompts import FimTokens, Prompt, PromptSettings, next_cell_prompt, output_prompt
+from .prompts import (
+    Example,
+    FimTokens,
+    Prompt,
+    PromptSettings,
+    RepoTokens,
+    next_cell_prompt,
+    output_prompt,
+)
 from .ranking import Candidate, normalized, rank, with_each_source
 from .retrieval import RetrievalPredictor, RetrievalSettings
 from .settings import BackendSettings
@@ -381,9 +389,41 @@ class LocalModelPredictor(Predictor):
         """The most tokens of an output prompt, about (None: the engine takes any length)."""
         return None
 
-    def next_cell_prompt(self, ctx: PredictionContext, model: SharedModel) -> Prompt:
-        """The next-cell prompt of `ctx` for this model (within `prompt_chars`)."""
-        return next_cell_prompt(ctx, self.prompt_options, self._fim(model), self.prompt_chars())
+    def repo_tokens(self, model: SharedModel) -> RepoTokens | None:
+        """The model's repository-level tokens, if it has them (then examples from other
+        notebooks go before the script as files of the repository)."""
+        return None
+
+    def prompt_limit(self) -> tuple[int, int] | None:
+        """What the engine keeps of a prompt: (characters, tokens); None: all of it."""
+        return None
+
+    def next_cell_prompt(
+        self, ctx: PredictionContext, model: SharedModel, examples: list[Example] | None = None
+    ) -> Prompt:
+        """The next-cell prompt of `ctx` for this model (within `prompt_chars`), with
+        `examples` from other notebooks where the model reads them (`repo_tokens`)."""
+        return next_cell_prompt(
+            ctx,
+            self.prompt_options,
+            self._fim(model),
+            self.prompt_chars(),
+            examples,
+            self.repo_tokens(model),
+            self.prompt_limit(),
+        )
+
+    async def _prompt_with_examples(self, ctx: PredictionContext, model: SharedModel) -> Prompt:
+        """`next_cell_prompt` with the examples the `retrieval` backend finds in the recorded
+        history (`prompt_examples`), for models that read them."""
+        options = self.prompt_options
+        examples: list[Example] = []
+        if options.examples and not options.below and self.repo_tokens(model) is not None:
+            try:
+                examples = await self._retrieval_backend().examples(ctx, options.examples)
+            except Exception as e:
+                self.env.log.warning("themisto: %s: reading the history failed: %s", self.name, e)
+        return self.next_cell_prompt(ctx, model, examples)
 
     def cold_prompt(
         self, ctx: PredictionContext, model: SharedModel, prompt: Prompt
@@ -488,7 +528,7 @@ class LocalModelPredictor(Predictor):
         answer within the time gets no further attempts.
         """
         model = await self._model()
-        prompt = self.next_cell_prompt(ctx, model)
+        prompt = await self._prompt_with_examples(ctx, model)
         followed = await self._continuation(ctx)
         # (with a continuation the model answers no first suggestion, cold or not)
         short = None if followed is not None else self.cold_prompt(ctx, model, prompt)
@@ -675,7 +715,7 @@ class LocalModelPredictor(Predictor):
         model = await self._model()
         next_ctx: PredictionContext | None = ctx
         while next_ctx is not None:
-            prompt = self.next_cell_prompt(next_ctx, model)
+            prompt = await self._prompt_with_examples(next_ctx, model)
             job = Completion.of(prompt, max_tokens=1, slot=self.slot(next_ctx, model))
             model.remember(job.prompt)
             task = asyncio.ensure_future(asyncio.to_thread(self.prefill, model, job))

@@ -10,6 +10,7 @@ never leaves this process; its web page is off.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -35,7 +36,15 @@ from ._local import (
     shared_model,
 )
 from .base import BackendError, BackendUnavailable
-from .prompts import QWEN_FIM, FimTokens, Prompt, cut_prompt, next_cell_prompt
+from .prompts import (
+    QWEN_FIM,
+    QWEN_REPO,
+    FimTokens,
+    Prompt,
+    RepoTokens,
+    cut_prompt,
+    next_cell_prompt,
+)
 
 #: characters per token assumed when a prompt is cut to max_prompt_tokens (code: ~3.5-4)
 CHARS_PER_TOKEN = 3.0
@@ -71,11 +80,12 @@ def _prompt_tokens(server: Any, prompt: str) -> int:
     return int(answer["usage"]["prompt_tokens"])
 
 
-def _has_special_tokens(server: Any, fim: FimTokens) -> bool:
-    """Whether the engine reads each of `fim`'s tokens as one token (the model has them)."""
-    spelled = fim.prefix + fim.suffix + fim.middle
+def _has_special_tokens(server: Any, tokens: FimTokens | RepoTokens) -> bool:
+    """Whether the engine reads each of `tokens` as one token (the model has them)."""
+    spelled = list(dataclasses.astuple(tokens))
     try:
-        return _prompt_tokens(server, "x" + spelled) == _prompt_tokens(server, "x") + 3
+        whole = _prompt_tokens(server, "x" + "".join(spelled))
+        return whole == _prompt_tokens(server, "x") + len(spelled)
     except (KeyError, TypeError, ValueError, RuntimeError):
         return False
 
@@ -258,6 +268,7 @@ class LlamaCppPredictor(LocalModelPredictor):
             except (RuntimeError, ValueError) as e:
                 raise BackendUnavailable(f"llamacpp: cannot load {path}: {e}") from None
             details["fim"] = QWEN_FIM if _has_special_tokens(server, QWEN_FIM) else None
+            details["repo"] = QWEN_REPO if _has_special_tokens(server, QWEN_REPO) else None
             return server
 
         details: dict[str, Any] = {}
@@ -271,6 +282,12 @@ class LlamaCppPredictor(LocalModelPredictor):
         found = model.details.get("fim")
         return found if isinstance(found, FimTokens) else None
 
+    def repo_tokens(self, model: SharedModel) -> RepoTokens | None:
+        """Qwen2.5-Coder's repository-level tokens when the model's vocabulary has them as
+        special tokens (asked of the engine once, when the model was loaded)."""
+        found = model.details.get("repo")
+        return found if isinstance(found, RepoTokens) else None
+
     # -- generation ----------------------------------------------------------------------------
 
     def prompt_chars(self) -> int | None:
@@ -280,6 +297,11 @@ class LlamaCppPredictor(LocalModelPredictor):
         if not self.settings.stable_prompt_start:
             return None
         return int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
+
+    def prompt_limit(self) -> tuple[int, int] | None:
+        """`max_prompt_tokens`, and the characters `request` keeps of a prompt by it."""
+        budget = self.settings.prompt_budget()
+        return int(budget * CHARS_PER_TOKEN), budget
 
     def output_prompt_tokens(self) -> int | None:
         """`output_prompt_tokens` (None with 0: `request` cuts the prompt)."""

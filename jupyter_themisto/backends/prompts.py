@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from pydantic import Field
@@ -71,6 +72,30 @@ QWEN_FIM = FimTokens("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
 @dataclass(frozen=True)
+class RepoTokens:
+    """A model's repository-level tokens: a repository's name, then each file after a
+    separator and its path (what the model read in training as several files of one
+    repository, the last one to continue)."""
+
+    repo_name: str
+    file_sep: str
+
+
+#: Qwen2.5-Coder's repository-level tokens
+QWEN_REPO = RepoTokens("<|repo_name|>", "<|file_sep|>")
+
+
+@dataclass(frozen=True)
+class Example:
+    """Cells run one after another in another notebook (the history, a corpus), the last one
+    being what followed cells like the newest ones of the notebook at hand."""
+
+    #: the notebook's path (or its trajectory's id)
+    name: str
+    cells: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Prompt:
     """What a text-continuation model runs for one answer.
 
@@ -111,6 +136,10 @@ class PromptOptions:
       with 1 Axes>`, `<list_iterator at 0x…>`) shown too (False: left out, as no output).
     template: "raw" (the script to continue) or "chatml" (the script inside an instruct model's
       ChatML conversation, the assistant's answer opened with a code fence).
+    examples: places in other notebooks (the recorded history) whose cells resemble the newest
+      ones, shown before the script as other files of the repository (only for models with
+      repository-level tokens, with the raw template and without the cells below).
+    example_lines: lines kept of each cell of an example.
     """
 
     cells: int = 10
@@ -123,6 +152,8 @@ class PromptOptions:
     max_output_lines: int = 6
     object_reprs: bool = True
     template: str = "raw"
+    examples: int = 2
+    example_lines: int = 12
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> PromptOptions:
@@ -153,10 +184,11 @@ class PromptOptions:
             raise ValueError(f"prompt_runtime must be none, header or end, not {self.runtime!r}")
         if self.template not in ("raw", "chatml"):
             raise ValueError(f"prompt_template must be raw or chatml, not {self.template!r}")
-        if min(self.cells, self.below_cells, self.max_output_lines) < 0 or self.window_step < 1:
+        counts = (self.cells, self.below_cells, self.max_output_lines, self.examples)
+        if min(counts) < 0 or min(self.window_step, self.example_lines) < 1:
             raise ValueError(
-                "prompt_cells, prompt_below_cells, prompt_max_output_lines ≥ 0 and"
-                " prompt_window_step ≥ 1"
+                "prompt_cells, prompt_below_cells, prompt_max_output_lines, prompt_examples ≥ 0"
+                " and prompt_window_step, prompt_example_lines ≥ 1"
             )
 
 
@@ -209,6 +241,17 @@ class PromptSettings(BackendSettings):
         _PROMPT.template,  # type: ignore[arg-type]
         description="`raw` (the script to continue) or `chatml` (inside an instruct model's"
         " ChatML conversation)",
+    )
+    prompt_examples: int = Field(
+        _PROMPT.examples,
+        ge=0,
+        description="places in your other notebooks (the recorded history) whose cells resemble"
+        " the newest ones, each its best-matching cell and the 2 run before it, shown before"
+        " the script as other files of the project (models with repository-level tokens, like"
+        " Qwen2.5-Coder's; not with `prompt_below`; 0: none)",
+    )
+    prompt_example_lines: int = Field(
+        _PROMPT.example_lines, ge=1, description="lines kept of each cell of an example"
     )
 
     def prompt_options(self) -> PromptOptions:
@@ -337,6 +380,9 @@ def next_cell_prompt(
     options: PromptOptions | None = None,
     fim: FimTokens | None = None,
     max_chars: int | None = None,
+    examples: list[Example] | None = None,
+    repo: RepoTokens | None = None,
+    limit: tuple[int, int] | None = None,
 ) -> Prompt:
     """The next cell as the open last cell of a percent-format script.
 
@@ -344,7 +390,10 @@ def next_cell_prompt(
     cells where they stand, the runtime summary where `options.runtime` puts it, and with `fim`
     and cells below the insertion point a fill-in-the-middle prompt whose suffix holds them.
     With `max_chars`, the script (the suffix has its own quarter of it) keeps its newest cells
-    within that many characters, its beginning moved in steps (`stable_start`).
+    within that many characters, its beginning moved in steps (`stable_start`). With `examples`
+    and a model's `repo` tokens, the examples come first as other files of the repository and
+    the script is the last file; `limit` (characters, tokens: what the engine keeps of a
+    prompt) then cuts the script, never the examples.
     """
     options = options or PromptOptions()
     cells = [c for c in ctx.cells if options.markdown or c.cell_type != "markdown"]
@@ -390,6 +439,16 @@ def next_cell_prompt(
     # Engines read special tokens spelled in the prompt as such: none may come from the notebook.
     prefix = _SPECIAL.sub("", head_text + "".join(blocks[start:]) + tail_text)
     stops = [CELL_MARKER, "\n# Out:"]
+    shown = (examples or [])[: options.examples]
+    if shown and repo is not None and options.template == "raw" and not below_wanted:
+        files = _repository(ctx, shown, repo, options.example_lines)
+        if limit is not None:
+            chars, tokens = limit
+            kept = cut_prompt(prefix, chars - len(files), tokens - approx_tokens(files))
+            prefix = kept.lstrip("\n") if kept != prefix else prefix
+        text = files + prefix
+        stops += [repo.file_sep, repo.repo_name]
+        return Prompt(text=text, stops=stops, prefix=text, special=True)
     if options.template == "chatml":
         text = _chatml(prefix)
         return Prompt(text=text, stops=stops + ["```", "<|im_end|>"], prefix=text, special=True)
@@ -415,6 +474,27 @@ def next_cell_prompt(
         special=True,
         fim=fim,
     )
+
+
+def _repository(
+    ctx: PredictionContext, examples: list[Example], repo: RepoTokens, max_lines: int
+) -> str:
+    """The examples as files of a repository, and the separator of the notebook's own file
+    (the script follows it)."""
+
+    def file_name(path: str) -> str:
+        return _SPECIAL.sub("", PurePosixPath(path.replace("\\", "/")).stem or "notebook") + ".py"
+
+    files = [f"{repo.repo_name}notebooks\n"]
+    for example in examples:
+        cells = []
+        for source in example.cells:
+            lines = _SPECIAL.sub("", source).rstrip().splitlines()
+            cut = lines[:max_lines] + (["..."] if len(lines) > max_lines else [])
+            cells.append(f"{CELL_MARKER}\n" + "\n".join(cut) + "\n\n")
+        files.append(f"{repo.file_sep}{file_name(example.name)}\n" + "".join(cells))
+    files.append(f"{repo.file_sep}{file_name(ctx.notebook_path or 'notebook')}\n")
+    return "".join(files)
 
 
 def _chatml(script: str) -> str:
@@ -574,9 +654,12 @@ def render_prompt(ctx: PredictionContext, task: Task) -> tuple[str, str]:
 __all__ = [
     "CELL_MARKER",
     "QWEN_FIM",
+    "QWEN_REPO",
+    "Example",
     "FimTokens",
     "Prompt",
     "PromptOptions",
+    "RepoTokens",
     "approx_tokens",
     "completion_prompt",
     "cut_prompt",

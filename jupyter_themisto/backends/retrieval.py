@@ -30,6 +30,7 @@ from pydantic import Field
 from ..context import PredictionContext, VariableInfo
 from ._text import code_lines, normalized
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
+from .prompts import Example
 from .settings import BackendSettings
 
 # bm25s sets its own logger to DEBUG on import: "Building index from tokens" at every index
@@ -63,16 +64,20 @@ def tokenize(text: str) -> list[str]:
 class _Sequence:
     """The code cells of one trajectory or corpus notebook, in order, as the index reads them."""
 
+    #: the notebook's path (or the trajectory's id), as the person knows it
+    name: str
     sources: list[str]
     normalized: list[str]
-    documents: list[tuple[list[str], str]]
+    #: (tokens, the cell's position in `sources`) for each cell that has tokens
+    documents: list[tuple[list[str], int]]
 
 
 @dataclass
 class _Index:
     retriever: bm25s.BM25 | None
     candidates: list[str]
-    origins: list[str]
+    #: where each candidate is: (its origin, the sequence, its position there)
+    places: list[tuple[str, _Sequence, int]]
     #: the cells that followed each stretch of `continuation_cells` cells (normalized), each
     #: as (normalized, as written), in the order found
     followers: dict[tuple[str, ...], list[tuple[str, str]]]
@@ -149,11 +154,11 @@ class RetrievalPredictor(Predictor):
 
     # -- the index ---------------------------------------------------------------------------
 
-    def _sequence(self, cells: list[str]) -> _Sequence:
-        return _Sequence(cells, [normalized(c) for c in cells], self._documents(cells))
+    def _sequence(self, name: str, cells: list[str]) -> _Sequence:
+        return _Sequence(name, cells, [normalized(c) for c in cells], self._documents(cells))
 
-    def _documents(self, cells: list[str]) -> list[tuple[list[str], str]]:
-        """(tokens, candidate) for each cell of one sequence.
+    def _documents(self, cells: list[str]) -> list[tuple[list[str], int]]:
+        """(tokens, position) for each cell of one sequence.
 
         A document describes where a candidate fits (the cells run before it, "c:" terms) and
         which names it uses ("v:" terms, matched against live variable names); the candidate's
@@ -165,7 +170,7 @@ class RetrievalPredictor(Predictor):
             tokens = self._context_tokens(cells[max(0, i - self.settings.context_cells) : i])
             tokens += ["v:" + t for t in set(_IDENT.findall(cell))]
             if tokens:
-                out.append((tokens, cell))
+                out.append((tokens, i))
         return out
 
     def _sequences(self) -> Iterable[tuple[str, _Sequence]]:
@@ -179,14 +184,19 @@ class RetrievalPredictor(Predictor):
                 if cached is None or cached[0] != t["n_executions"]:
                     rows = store.list_executions(t["id"])
                     sources = [r["source"] for r in rows if r["source"].strip()]
-                    cached = (t["n_executions"], self._sequence(sources))
+                    name = t.get("notebook_path") or t["id"]
+                    cached = (t["n_executions"], self._sequence(name, sources))
                 fresh[t["id"]] = cached
                 yield f"trajectory {t['id']}", cached[1]
             self._history_docs = fresh
         if self.corpus_dir is not None:
             if self._corpus is None:
                 files = sorted(self.corpus_dir.rglob("*.ipynb")) if self.corpus_dir.is_dir() else []
-                self._corpus = [(str(p), self._sequence(notebook_code_cells(p))) for p in files]
+                root = self.corpus_dir
+                self._corpus = [
+                    (str(p), self._sequence(str(p.relative_to(root)), notebook_code_cells(p)))
+                    for p in files
+                ]
             yield from self._corpus
 
     def _context_tokens(self, before: list[str]) -> list[str]:
@@ -200,14 +210,14 @@ class RetrievalPredictor(Predictor):
     def _build(self) -> _Index:
         docs: list[list[str]] = []
         candidates: list[str] = []
-        origins: list[str] = []
+        places: list[tuple[str, _Sequence, int]] = []
         followers: dict[tuple[str, ...], list[tuple[str, str]]] = {}
         k = self.settings.continuation_cells
         for origin, seq in self._sequences():
-            for tokens, cell in seq.documents:
+            for tokens, position in seq.documents:
                 docs.append(tokens)
-                candidates.append(cell)
-                origins.append(origin)
+                candidates.append(seq.sources[position])
+                places.append((origin, seq, position))
             for j in range(k, len(seq.sources)) if k else ():
                 after = (seq.normalized[j], seq.sources[j])
                 followers.setdefault(tuple(seq.normalized[j - k : j]), []).append(after)
@@ -215,7 +225,7 @@ class RetrievalPredictor(Predictor):
             return _Index(None, [], [], followers)
         retriever = bm25s.BM25()
         retriever.index(docs, show_progress=False)
-        return _Index(retriever, candidates, origins, followers)
+        return _Index(retriever, candidates, places, followers)
 
     def _key(self) -> int:
         store = self.env.store
@@ -273,11 +283,9 @@ class RetrievalPredictor(Predictor):
             return None  # the places disagree: no one cell follows these
         return next(text for key, text in found if key == top)
 
-    def rank(
-        self, ctx: PredictionContext, n: int, idx: _Index | None = None
-    ) -> list[tuple[str, float]]:
-        """Up to `n` distinct candidate cells with their BM25 scores, best first."""
-        idx = idx or self.index()
+    def _search(self, ctx: PredictionContext, idx: _Index, k: int) -> list[tuple[int, float]]:
+        """The `k` best documents for the cells of `ctx` (and its live variables' names), as
+        (document, BM25 score), best first; only those that match at all."""
         if idx.retriever is None:
             raise NoPrediction("no recorded history or corpus to draw suggestions from yet")
         code = [c.source for c in ctx.cells if c.cell_type == "code"]
@@ -288,27 +296,61 @@ class RetrievalPredictor(Predictor):
         query = [t for t in query if t in vocab]
         if not query:
             raise NoPrediction("nothing in the history resembles the current cells")
-        k = min(len(idx.candidates), max(10, n * 8))
         docs, scores = idx.retriever.retrieve(
-            [query], k=k, show_progress=False, n_threads=1, return_as="tuple"
+            [query],
+            k=min(len(idx.candidates), k),
+            show_progress=False,
+            n_threads=1,
+            return_as="tuple",
         )
+        found = zip(np.asarray(docs)[0], np.asarray(scores)[0], strict=True)
+        return [(int(d), float(s)) for d, s in found if s > 0]
+
+    def rank(
+        self, ctx: PredictionContext, n: int, idx: _Index | None = None
+    ) -> list[tuple[str, float]]:
+        """Up to `n` distinct candidate cells with their BM25 scores, best first."""
+        idx = idx or self.index()
+        code = [c.source for c in ctx.cells if c.cell_type == "code"]
         last = normalized(code[-1]) if code else None
         seen: set[str] = set()
         out: list[tuple[str, float]] = []
-        for d, s in zip(np.asarray(docs)[0], np.asarray(scores)[0], strict=True):
-            if s <= 0:
-                break
-            cand = idx.candidates[int(d)]
+        for d, s in self._search(ctx, idx, max(10, n * 8)):
+            cand = idx.candidates[d]
             norm = normalized(cand)
             # Re-suggesting the cell just run, or one already offered, helps nobody.
             if norm == last or norm in seen:
                 continue
             seen.add(norm)
-            out.append((cand, float(s)))
+            out.append((cand, s))
             if len(out) >= n:
                 break
         if not out:
             raise NoPrediction("nothing in the history resembles the current cells")
+        return out
+
+    async def examples(self, ctx: PredictionContext, k: int, before: int = 2) -> list[Example]:
+        """Up to `k` places in other notebooks (one each) whose cells resemble the newest ones
+        of `ctx`: each the best-ranked candidate cell with the `before` cells run before it
+        there, for a model to read as examples of what came next. Not `ctx`'s own trajectory
+        (its cells are in the prompt already); none when nothing matches."""
+        idx = await self._fresh_index()
+        own = f"trajectory {ctx.trajectory_id}" if ctx.trajectory_id else None
+        try:
+            found = self._search(ctx, idx, max(10, k * 8))
+        except NoPrediction:
+            return []
+        out: list[Example] = []
+        used: set[str] = set()
+        for d, _ in found:
+            origin, seq, position = idx.places[d]
+            if origin == own or origin in used:
+                continue
+            used.add(origin)
+            cells = seq.sources[max(0, position - before) : position + 1]
+            out.append(Example(seq.name, tuple(cells)))
+            if len(out) >= k:
+                break
         return out
 
     async def predict_next_cell(
