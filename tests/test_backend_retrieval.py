@@ -134,6 +134,12 @@ async def test_examples_are_places_in_other_notebooks_with_the_cells_before_them
     assert {e.name for e in found} == {"old/eda.ipynb", "old/again.ipynb", "tutorial.ipynb"}
     assert all(e.cells == tuple(EDA[1:4]) for e in found)
     assert [e.name for e in await backend.examples(ctx, 1)] == [found[0].name]
+    # Found from the code alone: a prompt warmed before the newest cell's variables existed has
+    # the same examples (live names steer the ranked cells, not these).
+    assert "clf.fit(X_train, y_train)" not in await suggestions(backend, ctx, n=6)
+    ctx.variables = [VariableInfo(name="clf", type="RandomForestClassifier", summary={})]
+    assert "clf.fit(X_train, y_train)" in await suggestions(backend, ctx, n=6)
+    assert await backend.examples(ctx, 3) == found
     assert len(await backend.examples(ctx, 1, before=0)) == 1
     assert (await backend.examples(ctx, 1, before=0))[0].cells == (EDA[3],)
     # Nothing alike, or nothing recorded: no examples (the prompt goes without them).

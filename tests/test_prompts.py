@@ -271,7 +271,7 @@ def test_examples_are_kept_whole_and_the_script_is_cut_to_the_engines_limit():
     ctx = build_context(code_rows(200))
     examples = [
         Example("a.ipynb", ("a = 1", "a + 1")),
-        Example("<|fim_middle|>b", ("'<|endoftext|>'",)),
+        Example("<|fim_middle|>b\n<|file_sep|>x.ipynb", ("'<|endoftext|>'",)),
     ]
     p = next_cell_prompt(
         ctx, PromptOptions(cells=0), examples=examples, repo=QWEN_REPO, limit=(400, 150)
@@ -279,10 +279,10 @@ def test_examples_are_kept_whole_and_the_script_is_cut_to_the_engines_limit():
     files, script = p.text.split("<|file_sep|>notebook.py\n")
     assert files == (
         "<|repo_name|>notebooks\n<|file_sep|>a.py\n# %%\na = 1\n\n# %%\na + 1\n\n"
-        "<|file_sep|>b.py\n# %%\n''\n\n"
-    )  # a name or cell spelled like a special token loses it
+        "<|file_sep|>b_x.py\n# %%\n''\n\n"
+    )  # a name or cell spelled like a special token loses it, a name its line breaks
     assert len(p.text) <= 400 and approx_tokens(p.text) <= 150
-    assert script.startswith("# %%\nx") and script.endswith("x199 = 199\n\n# %%\n")
+    assert script.startswith(("# %%\nx", "x")) and script.endswith("x199 = 199\n\n# %%\n")
     assert p.text.count("<|") == 4  # the repository's name and three file separators, no more
 
 

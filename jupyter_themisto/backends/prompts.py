@@ -483,7 +483,8 @@ def _repository(
     (the script follows it)."""
 
     def file_name(path: str) -> str:
-        return _SPECIAL.sub("", PurePosixPath(path.replace("\\", "/")).stem or "notebook") + ".py"
+        stem = PurePosixPath(path.replace("\\", "/")).stem
+        return (re.sub(r"\s+", "_", _SPECIAL.sub("", stem)).strip("_") or "notebook") + ".py"
 
     files = [f"{repo.repo_name}notebooks\n"]
     for example in examples:

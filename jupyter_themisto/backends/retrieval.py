@@ -283,14 +283,16 @@ class RetrievalPredictor(Predictor):
             return None  # the places disagree: no one cell follows these
         return next(text for key, text in found if key == top)
 
-    def _search(self, ctx: PredictionContext, idx: _Index, k: int) -> list[tuple[int, float]]:
-        """The `k` best documents for the cells of `ctx` (and its live variables' names), as
-        (document, BM25 score), best first; only those that match at all."""
+    def _search(
+        self, ctx: PredictionContext, idx: _Index, k: int, names: bool = True
+    ) -> list[tuple[int, float]]:
+        """The `k` best documents for the cells of `ctx` (and, with `names`, its live variables'
+        names), as (document, BM25 score), best first; only those that match at all."""
         if idx.retriever is None:
             raise NoPrediction("no recorded history or corpus to draw suggestions from yet")
         code = [c.source for c in ctx.cells if c.cell_type == "code"]
         query = self._context_tokens(code)
-        if ctx.with_runtime:
+        if names and ctx.with_runtime:
             query += ["v:" + v.name for v in ctx.variables]
         vocab = idx.retriever.vocab_dict
         query = [t for t in query if t in vocab]
@@ -333,11 +335,13 @@ class RetrievalPredictor(Predictor):
         """Up to `k` places in other notebooks (one each) whose cells resemble the newest ones
         of `ctx`: each the best-ranked candidate cell with the `before` cells run before it
         there, for a model to read as examples of what came next. Not `ctx`'s own trajectory
-        (its cells are in the prompt already); none when nothing matches."""
+        (its cells are in the prompt already); none when nothing matches. Found from the cells'
+        code alone: the prompt warmed ahead when a cell starts running, before its variables
+        exist, must have the same examples as the one asked for after it ran."""
         idx = await self._fresh_index()
         own = f"trajectory {ctx.trajectory_id}" if ctx.trajectory_id else None
         try:
-            found = self._search(ctx, idx, max(10, k * 8))
+            found = self._search(ctx, idx, max(10, k * 8), names=False)
         except NoPrediction:
             return []
         out: list[Example] = []
