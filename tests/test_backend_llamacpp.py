@@ -71,6 +71,12 @@ async def next_cells(backend, ctx, n=1):
     return texts
 
 
+TRAIN_CELLS = [
+    "from sklearn.linear_model import LinearRegression",
+    "model = LinearRegression()",
+]
+
+
 def llama(**settings) -> LlamaCppPredictor:
     """The backend with time limits no loaded test machine reaches (the limits are tested alone)."""
     settings.setdefault("suggestion_timeout", 300)
@@ -256,7 +262,12 @@ async def test_what_came_next_in_another_notebook_reaches_the_model(model_file, 
     ):
         store.add_execution(other, {"source": source, "status": "ok"})
     # (no continuation: the cells ran in the same order there, which would answer first)
-    settings = {"max_tokens": 24, "suggestion_timeout": 300, "retrieval": {"continuation_cells": 0}}
+    settings = {
+        "max_tokens": 24,
+        "suggestion_timeout": 300,
+        "prompt_examples": 2,
+        "retrieval": {"continuation_cells": 0},
+    }
     backend = LlamaCppPredictor(settings, BackendEnv(store=store))
     model = backend.shared()
     assert backend.repo_tokens(model) == QWEN_REPO
@@ -278,7 +289,7 @@ async def test_what_came_next_in_another_notebook_reaches_the_model(model_file, 
     off = LlamaCppPredictor({**settings, "prompt_examples": 0}, BackendEnv(store=store))
     assert "zq_region" not in (await off._prompt_with_examples(ctx, model)).text
     assert "zq_region" not in (await next_cells(off, ctx))[0]
-    tiny = llama(model="smollm2-135m")
+    tiny = llama(model="smollm2-135m", prompt_examples=2)
     assert tiny.repo_tokens(tiny.shared()) is None  # it spells them with several tokens
     assert (await tiny._prompt_with_examples(ctx, tiny.shared())).text.startswith("# %%")
     store.close()
@@ -315,6 +326,38 @@ async def test_warm_evaluates_the_prompt_ahead(model_file):
         answer = model.model.handle_completions(body)
     cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= answer["usage"]["prompt_tokens"] - 1  # all of it came from the cache
+
+
+async def test_a_prompt_with_examples_warmed_before_the_cell_ran_serves_it_after(
+    model_file, tmp_path
+):
+    # The plugin warms the next prompt when a cell starts running: its variables do not exist
+    # yet. The examples must be the same once they do, or the warm-up was for nothing.
+    store = TrajectoryStore(tmp_path / "t.sqlite")
+    other = store.create_trajectory(notebook_path="old/fit.ipynb")
+    for source in (TRAIN_CELLS[0], TRAIN_CELLS[1], "model.fit(X, y)", "model.score(X, y)"):
+        store.add_execution(other, {"source": source, "status": "ok"})
+    backend = LlamaCppPredictor(
+        {"max_tokens": 8, "parallel": 1, "suggestion_timeout": 300, "prompt_examples": 2},
+        BackendEnv(store=store),
+    )
+    cells = [
+        ContextCell(source=source, execution_count=i + 1, order_index=i)
+        for i, source in enumerate(TRAIN_CELLS)
+    ]
+    before = PredictionContext(cells=cells, notebook_path="new.ipynb")
+    await backend.warm(before)
+    after = dataclasses.replace(
+        before, variables=[VariableInfo(name="model", type="LinearRegression", summary={})]
+    )
+    model = backend.shared()
+    prompt = await backend._prompt_with_examples(after, model)
+    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>fit.py\n")
+    body = backend.request(Completion.of(prompt, 4), stream=False)
+    with model.lock:
+        usage = model.model.handle_completions(body)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
+    store.close()
 
 
 async def test_a_cancelled_request_stops_while_its_prompt_is_evaluated(model_file):

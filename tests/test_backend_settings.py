@@ -192,6 +192,7 @@ def test_defaults_are_unchanged(monkeypatch):
     from jupyter_themisto.backends.prompts import PromptOptions
 
     assert ll.prompt_options == PromptOptions()
+    assert (ll.prompt_options.examples, ll.prompt_options.example_lines) == (0, 12)
     # max_prompt_tokens shrinks to fit a small window, as before.
     assert create_backend("llamacpp", {"n_ctx": 512}).settings.prompt_budget() == 512 - 128
     p = create_backend("preview")

@@ -95,14 +95,8 @@ async def test_local_model_ranks_greedy_sampled_and_retrieved(history):
     # (a generous bound per answer, as in test_backend_llamacpp.py: under load the default 5 s
     # can end an answer before its first token)
     # (the history's own continuation of these cells would take the first place unasked:
-    # tested in test_backend_llamacpp.py; here the greedy answer does), and so would the
-    # history's cells shown to the model as examples (the greedy answer copies df.describe()).
-    settings = {
-        "max_tokens": 12,
-        "suggestion_timeout": 300,
-        "prompt_examples": 0,
-        "retrieval": {"continuation_cells": 0},
-    }
+    # tested in test_backend_llamacpp.py; here the greedy answer does)
+    settings = {"max_tokens": 12, "suggestion_timeout": 300, "retrieval": {"continuation_cells": 0}}
     backend = LlamaCppPredictor(settings, BackendEnv(store=history))
     ctx = PredictionContext(
         cells=[

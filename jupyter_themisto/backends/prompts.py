@@ -138,7 +138,8 @@ class PromptOptions:
       ChatML conversation, the assistant's answer opened with a code fence).
     examples: places in other notebooks (the recorded history) whose cells resemble the newest
       ones, shown before the script as other files of the repository (only for models with
-      repository-level tokens, with the raw template and without the cells below).
+      repository-level tokens, with the raw template and without the cells below). Off by
+      default: they change the prompt's beginning at every cell, so nothing of it is cached.
     example_lines: lines kept of each cell of an example.
     """
 
@@ -152,7 +153,7 @@ class PromptOptions:
     max_output_lines: int = 6
     object_reprs: bool = True
     template: str = "raw"
-    examples: int = 2
+    examples: int = 0
     example_lines: int = 12
 
     @classmethod
@@ -248,7 +249,9 @@ class PromptSettings(BackendSettings):
         description="places in your other notebooks (the recorded history) whose cells resemble"
         " the newest ones, each its best-matching cell and the 2 run before it, shown before"
         " the script as other files of the project (models with repository-level tokens, like"
-        " Qwen2.5-Coder's; not with `prompt_below`; 0: none)",
+        " Qwen2.5-Coder's; not with `prompt_below`). Off by default (0): the examples change"
+        " with every cell, so the engine evaluates the whole prompt anew each time, seconds"
+        " on 2 cores (see README for what they gain and cost)",
     )
     prompt_example_lines: int = Field(
         _PROMPT.example_lines, ge=1, description="lines kept of each cell of an example"
