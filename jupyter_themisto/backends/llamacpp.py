@@ -298,8 +298,8 @@ class LlamaCppPredictor(LocalModelPredictor):
             return None
         return int(self.settings.prompt_budget() * CHARS_PER_TOKEN)
 
-    def prompt_limit(self) -> tuple[int, int] | None:
-        """`max_prompt_tokens`, and the characters `request` keeps of a prompt by it."""
+    def prompt_limit(self) -> tuple[int, int]:
+        """What `request` keeps of a prompt, (characters, tokens), by `max_prompt_tokens`."""
         budget = self.settings.prompt_budget()
         return int(budget * CHARS_PER_TOKEN), budget
 
@@ -329,8 +329,7 @@ class LlamaCppPredictor(LocalModelPredictor):
     def request(self, job: Completion, *, stream: bool = True) -> dict[str, Any]:
         """The llama.cpp server completion request for `job`."""
         # (prompts from `next_cell_prompt` fit already; this bounds any other)
-        budget = self.settings.prompt_budget()
-        max_chars = int(budget * CHARS_PER_TOKEN)
+        max_chars, budget = self.prompt_limit()
         if job.suffix is not None:
             # Fill in the middle: the prefix keeps its end, the suffix its beginning, and the
             # FIM tokens stay around them.

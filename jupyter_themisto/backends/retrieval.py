@@ -75,8 +75,7 @@ class _Sequence:
 @dataclass
 class _Index:
     retriever: bm25s.BM25 | None
-    candidates: list[str]
-    #: where each candidate is: (its origin, the sequence, its position there)
+    #: where each document's candidate cell is: (its origin, the sequence, its position there)
     places: list[tuple[str, _Sequence, int]]
     #: the cells that followed each stretch of `continuation_cells` cells (normalized), each
     #: as (normalized, as written), in the order found
@@ -209,23 +208,21 @@ class RetrievalPredictor(Predictor):
 
     def _build(self) -> _Index:
         docs: list[list[str]] = []
-        candidates: list[str] = []
         places: list[tuple[str, _Sequence, int]] = []
         followers: dict[tuple[str, ...], list[tuple[str, str]]] = {}
         k = self.settings.continuation_cells
         for origin, seq in self._sequences():
             for tokens, position in seq.documents:
                 docs.append(tokens)
-                candidates.append(seq.sources[position])
                 places.append((origin, seq, position))
             for j in range(k, len(seq.sources)) if k else ():
                 after = (seq.normalized[j], seq.sources[j])
                 followers.setdefault(tuple(seq.normalized[j - k : j]), []).append(after)
         if not docs:
-            return _Index(None, [], [], followers)
+            return _Index(None, [], followers)
         retriever = bm25s.BM25()
         retriever.index(docs, show_progress=False)
-        return _Index(retriever, candidates, places, followers)
+        return _Index(retriever, places, followers)
 
     def _key(self) -> int:
         store = self.env.store
@@ -300,7 +297,7 @@ class RetrievalPredictor(Predictor):
             raise NoPrediction("nothing in the history resembles the current cells")
         docs, scores = idx.retriever.retrieve(
             [query],
-            k=min(len(idx.candidates), k),
+            k=min(len(idx.places), k),
             show_progress=False,
             n_threads=1,
             return_as="tuple",
@@ -318,7 +315,8 @@ class RetrievalPredictor(Predictor):
         seen: set[str] = set()
         out: list[tuple[str, float]] = []
         for d, s in self._search(ctx, idx, max(10, n * 8)):
-            cand = idx.candidates[d]
+            _, seq, position = idx.places[d]
+            cand = seq.sources[position]
             norm = normalized(cand)
             # Re-suggesting the cell just run, or one already offered, helps nobody.
             if norm == last or norm in seen:
