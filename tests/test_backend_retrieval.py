@@ -44,6 +44,12 @@ def record(store, cells, **kw):
     return tid
 
 
+# Tests that record after a first request and expect the new executions indexed: a loaded CI
+# machine can take longer than the default 20 ms to build, and then the request would answer
+# from the old index while a rebuild runs (test_large_index_refreshes_in_the_background).
+REBUILD_FIRST = {"sync_rebuild_seconds": 60}
+
+
 async def suggestions(backend, ctx, n=3):
     return [c.text async for c in backend.predict_next_cell(ctx, n=n)]
 
@@ -84,7 +90,7 @@ async def test_live_variable_names_steer_the_ranking(store):
 
 async def test_no_repeat_of_the_cell_just_run_and_new_executions_are_indexed(store):
     tid = record(store, ["a = 1", "b = a + 1"])
-    backend = RetrievalPredictor({}, BackendEnv(store=store))
+    backend = RetrievalPredictor(REBUILD_FIRST, BackendEnv(store=store))
     ctx = build_context([{"source": "a = 1"}, {"source": "b = a + 1"}])
     with pytest.raises(NoPrediction):
         await suggestions(backend, ctx)
@@ -250,7 +256,7 @@ async def test_what_followed_the_same_cells_before_comes_first(store):
     for _ in range(3):
         record(store, ["import pandas as pd", *stretch[1:], "total = y.cumsum().max()"])
     ctx = build_context([{"source": s} for s in stretch], [{"name": "total", "type": "int"}])
-    three = {"continuation_cells": 3}
+    three = {"continuation_cells": 3, **REBUILD_FIRST}
     off = RetrievalPredictor({"continuation_cells": 0}, BackendEnv(store=store))
     assert await suggestions(off, ctx, n=2) == ["total = y.cumsum().max()", "y.mean()"]
     backend = RetrievalPredictor(three, BackendEnv(store=store))
