@@ -33,7 +33,13 @@ from jupyter_themisto.backends._local import (
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, QWEN_CODER_15B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
-from jupyter_themisto.backends.prompts import QWEN_FIM, QWEN_REPO, next_cell_prompt
+from jupyter_themisto.backends.prompts import (
+    FENCES,
+    QWEN_FIM,
+    QWEN_REPO,
+    next_cell_prompt,
+    output_prompt,
+)
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
 from jupyter_themisto.store import TrajectoryStore
 
@@ -151,6 +157,23 @@ async def test_output_prediction_streams_text(model_file):
     ctx = session(target_source="print(df['a'].sum())")
     text = "".join([c.text async for c in backend.predict_output(ctx)])
     assert text.strip() and ">>>" not in text
+
+
+async def test_an_output_prediction_never_opens_a_code_fence(model_file):
+    backend = llama()
+    model = backend.shared()
+    # The model has these as single tokens: a bias on each touches nothing else.
+    assert model.details["single"] == {"```", "``", " ```", " ``", " ```\n"}
+    assert output_prompt(session(target_source="df")).banned == FENCES
+    asked = "Show a Python hello world program in a Markdown code block:\n\n"
+    free = "".join(generate(backend, Completion(asked, [], 16)))
+    assert free.startswith("```")
+    banned = "".join(generate(backend, Completion(asked, [], 16, banned=FENCES)))
+    assert banned.strip() and "``" not in banned
+    # Only single tokens are banned: a string of several would ban each of its tokens.
+    body = backend.request(Completion(asked, [], 1, banned=("```", "```\n", "x y")), model=model)
+    assert body["logit_bias"] == [["```", False]]
+    assert "logit_bias" not in backend.request(Completion(asked, [], 1), model=model)
 
 
 async def test_cancelling_stops_generation_at_the_next_token(model_file):

@@ -17,7 +17,7 @@ from jupyter_themisto.backends import BackendUnavailable, create_backend
 from jupyter_themisto.backends._local import Completion, stream_from_thread
 from jupyter_themisto.backends._text import StopScanner, strip_code_fences
 from jupyter_themisto.backends.prompts import completion_prompt
-from jupyter_themisto.backends.seq2seq import Seq2SeqPredictor
+from jupyter_themisto.backends.seq2seq import Seq2SeqPredictor, banned_ids
 from jupyter_themisto.context import ContextCell, PredictionContext
 
 CORPUS = [
@@ -155,6 +155,21 @@ async def test_generation_streams_and_stops_when_cancelled(tmp_path):
     cancelled.set()
     rest = list(pieces)
     assert first == full[0] and len(rest) < 50  # generation stopped at the next token
+
+
+async def test_banned_strings_are_never_generated(model_dir):
+    backend = Seq2SeqPredictor({"model_path": str(model_dir)})
+    model = backend.shared()
+    prompt = "import numpy as np\nx = np.arange(10)\n"
+    free = "".join(backend.produce(model, Completion(prompt, [], 8), threading.Event()))
+    word = next(w for w in free.split() if w.isalnum())  # the model does write it
+    banned = Completion(prompt, [], 8, banned=(word, "```", "\x00never"))
+    again = "".join(backend.produce(model, banned, threading.Event()))
+    assert again.strip() and word not in again.split()
+    # A text the vocabulary cannot spell is left out, not banned as the unknown token.
+    tokenizer = model.model[1]
+    assert banned_ids(tokenizer, ["<unk>", ""]) == []
+    assert banned_ids(tokenizer, [word]) == [tokenizer(word, add_special_tokens=False).input_ids]
 
 
 async def test_closing_the_stream_frees_the_model(model_dir):

@@ -55,6 +55,8 @@ class Completion:
     time_limit: float = 0.0
     #: the engine's slot to run in (see `SharedModel.slot_for`; -1: whichever is free)
     slot: int = -1
+    #: strings the answer never spells (`Prompt.banned`)
+    banned: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -80,6 +82,7 @@ class Completion:
                 fim=prompt.fim,
                 time_limit=time_limit,
                 slot=slot,
+                banned=prompt.banned,
             )
         return cls(
             prompt.text,
@@ -89,6 +92,7 @@ class Completion:
             seed,
             time_limit=time_limit,
             slot=slot,
+            banned=prompt.banned,
         )
 
 

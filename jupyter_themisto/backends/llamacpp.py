@@ -17,7 +17,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from ._local import (
 )
 from .base import BackendError, BackendUnavailable
 from .prompts import (
+    FENCES,
     QWEN_FIM,
     QWEN_REPO,
     FimTokens,
@@ -88,6 +89,16 @@ def _has_special_tokens(server: Any, tokens: FimTokens | RepoTokens) -> bool:
         return whole == _prompt_tokens(server, "x") + len(spelled)
     except (KeyError, TypeError, ValueError, RuntimeError):
         return False
+
+
+def _single_tokens(server: Any, texts: Iterable[str]) -> frozenset[str]:
+    """Those of `texts` the engine reads as one token each. A logit bias given as a string
+    applies to every token the string is made of: only these touch nothing else."""
+    try:
+        one = _prompt_tokens(server, "a")
+        return frozenset(t for t in texts if _prompt_tokens(server, t) == one)
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        return frozenset()
 
 
 class LlamaCppSettings(LocalModelSettings):
@@ -269,6 +280,7 @@ class LlamaCppPredictor(LocalModelPredictor):
                 raise BackendUnavailable(f"llamacpp: cannot load {path}: {e}") from None
             details["fim"] = QWEN_FIM if _has_special_tokens(server, QWEN_FIM) else None
             details["repo"] = QWEN_REPO if _has_special_tokens(server, QWEN_REPO) else None
+            details["single"] = _single_tokens(server, FENCES)
             return server
 
         details: dict[str, Any] = {}
@@ -326,8 +338,11 @@ class LlamaCppPredictor(LocalModelPredictor):
             return -1
         return model.slot_for(notebook_key(ctx))
 
-    def request(self, job: Completion, *, stream: bool = True) -> dict[str, Any]:
-        """The llama.cpp server completion request for `job`."""
+    def request(
+        self, job: Completion, *, stream: bool = True, model: SharedModel | None = None
+    ) -> dict[str, Any]:
+        """The llama.cpp server completion request for `job` (on `model`: the strings it bans
+        that the model has as single tokens are never generated)."""
         # (prompts from `next_cell_prompt` fit already; this bounds any other)
         max_chars, budget = self.prompt_limit()
         if job.suffix is not None:
@@ -361,6 +376,10 @@ class LlamaCppPredictor(LocalModelPredictor):
             body["n_cache_reuse"] = self.settings.cache_reuse_tokens
         if job.slot >= 0:
             body["id_slot"] = job.slot
+        single = model.details.get("single", frozenset()) if model is not None else frozenset()
+        banned = [text for text in job.banned if text in single]
+        if banned:
+            body["logit_bias"] = [[text, False] for text in banned]
         return body
 
     def run(
@@ -401,12 +420,12 @@ class LlamaCppPredictor(LocalModelPredictor):
                 emit(text)
             return cancelled.is_set()  # True stops the request at this token or prompt step
 
-        model.model.handle_completions(self.request(job), on_chunk)
+        model.model.handle_completions(self.request(job, model=model), on_chunk)
         if errors and not cancelled.is_set():
             raise BackendError(f"llamacpp: {errors[0]}")
 
     def prefill(self, model: SharedModel, job: Completion) -> None:
-        body = self.request(job, stream=False)
+        body = self.request(job, stream=False, model=model)
         body["max_tokens"] = 0  # evaluate the prompt into a slot's cache; generate nothing
         with model.lock:
             model.model.handle_completions(body)

@@ -42,6 +42,12 @@ _SPECIAL = re.compile(r"<\|[A-Za-z_]+\|>")
 #: the cell marker of the percent format (Jupytext, VS Code, Spyder)
 CELL_MARKER = "# %%"
 
+#: Code fences as a model's vocabulary may hold them, each as one token. An instruct model that
+#: opens a fence after a console's `>>> ` cell goes on in prose ("```\n\nThis code snippet
+#: creates a plot…"): 45 of 300 corpus output predictions did; a cell's output holds a fence in
+#: 4 of 2,480. Output prompts ban them (`Prompt.banned`).
+FENCES = ("```", "``", " ```", " ``", " ```\n", "```\n", "````")
+
 # An object's default repr says nothing about what comes next: `<Figure size 640x480 with 1
 # Axes>`, `[<matplotlib.lines.Line2D at 0x7f…>]`, `<list_iterator at 0x7f…>`, `Text(0.5, 1.0,
 # 'x')` (what plt.title returns), `<IPython.core.display.HTML object>`.
@@ -112,6 +118,9 @@ class Prompt:
     special: bool = False
     #: the fill-in-the-middle tokens `text` was made with (when `suffix` is used)
     fim: FimTokens | None = None
+    #: strings the answer never spells: an engine bans the tokens each of them is (llama.cpp:
+    #: those the model has as one token; transformers: the token sequences)
+    banned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -519,7 +528,8 @@ def output_prompt(
     `max_output_lines` lines of it. With runtime information, the live variables the cell
     reads (and does not bind) come right before it, as the console shows them when asked
     (`_echo`: `>>> v` and its value; a small model copies what it is shown, so only those,
-    never one the cell rebinds, and never the cell's own question). Ends at the next `>>> `.
+    never one the cell rebinds, and never the cell's own question). Ends at the next `>>> `;
+    the answer never opens a code fence (`FENCES`: an instruct model's way into prose).
     With `max_tokens`, the session keeps its newest cells within about that many tokens
     (`approx_tokens`), its beginning moved in steps (`stable_start`: consecutive prompts of a
     notebook share it, and the engine's cache), and a cell too long for it alone keeps its end.
@@ -558,7 +568,7 @@ def output_prompt(
     text = _SPECIAL.sub("", "".join(blocks[start:]) + tail)
     if max_tokens is not None:
         text = cut_prompt(text, len(text), max_tokens)  # a cell too long alone keeps its end
-    return Prompt(text=text, stops=[">>> "], prefix=text)
+    return Prompt(text=text, stops=[">>> "], prefix=text, banned=FENCES)
 
 
 def _echo(v: VariableInfo) -> list[str]:

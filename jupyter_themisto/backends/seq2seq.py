@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,7 @@ class Seq2SeqPredictor(LocalModelPredictor):
             limit = max(16, limit - job.max_tokens)  # a causal model's answer shares its window
         inputs = tokenizer(job.prompt, return_tensors="pt", truncation=True, max_length=limit)
         inputs.pop("token_type_ids", None)
+        banned = banned_ids(tokenizer, job.banned)
         streamer = tf.TextIteratorStreamer(
             tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=300
         )
@@ -117,6 +118,7 @@ class Seq2SeqPredictor(LocalModelPredictor):
                         do_sample=job.temperature > 0,
                         **({"temperature": job.temperature} if job.temperature > 0 else {}),
                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                        **({"bad_words_ids": banned} if banned else {}),
                         streamer=streamer,
                         stopping_criteria=tf.StoppingCriteriaList([Cancelled()]),
                     )
@@ -146,3 +148,15 @@ class Seq2SeqPredictor(LocalModelPredictor):
         if importlib.util.find_spec("transformers") is None:
             return {"ok": False, "detail": "transformers is not installed (extra [seq2seq])"}
         return {"ok": True, "detail": f"{path.name} (loads on first use)"}
+
+
+def banned_ids(tokenizer: Any, texts: Iterable[str]) -> list[list[int]]:
+    """The token sequences of `texts` for `generate(bad_words_ids=…)`; a text the vocabulary
+    cannot spell (an unknown token in it) is left out: banning the unknown token would ban
+    more than the text."""
+    out: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if ids and tokenizer.unk_token_id not in ids:
+            out.append(list(ids))
+    return out
