@@ -817,6 +817,32 @@ def nb_source(path: Path, index: int) -> str:
     return [c.source for c in nb.cells if c.cell_type == "code"][index]
 
 
+def test_a_dump_context_knows_its_variables_are_older_than_the_newest_cells():
+    """As the server does: a skipped snapshot leaves the variables of an older one, and the
+    context says by how many executions (an output prediction must not read them as current)."""
+    from jupyter_themisto.backends import NoPrediction
+    from jupyter_themisto.backends.retrieval import predict_output_from_summary
+    from jupyter_themisto.dump import DumpContexts
+
+    def row(i, source, status, variables=()):
+        return {
+            "trajectory_id": "t", "order_index": i, "source": source, "outputs": "[]",
+            "status": "ok", "snapshot_status": status, "variables": list(variables),
+        }  # fmt: skip
+
+    n = {"name": "n", "type": "int", "summary": json.dumps({"repr": "1"}), "changed": True}
+    rows = [row(0, "n = 1", "ok", [n]), row(1, "n = 2", "skipped"), row(2, "n", "ok")]
+    contexts = DumpContexts(rows, 3000)
+    ask = {"trajectory_id": "t", "task": "output", "source": "n"}
+    current = contexts.build({**ask, "order_index": 1}, True)
+    assert current.runtime_lag == 0 and predict_output_from_summary(current) == "1\n"
+    stale = contexts.build({**ask, "order_index": 2}, True)
+    assert [v.name for v in stale.variables] == ["n"] and stale.runtime_lag == 1
+    with pytest.raises(NoPrediction, match="snapshot"):
+        predict_output_from_summary(stale)
+    assert contexts.build({**ask, "order_index": 2}, False).runtime_lag == 0
+
+
 def test_export_notebook_cells_and_the_live_setting(recorded, dump, tmp_path):
     """The dump keeps each notebook's cells; `--setting live` gives a backend what the browser
     would send: the markdown above the target cell and the cells below it."""

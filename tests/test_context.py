@@ -9,6 +9,7 @@ from jupyter_themisto.backends.prompts import render_context, render_prompt
 from jupyter_themisto.context import (
     build_context,
     estimate_tokens,
+    runtime_lag,
     truncate_text,
 )
 
@@ -88,6 +89,19 @@ def test_without_runtime_and_redacted():
     assert ctx.variables == [] and "Live variables" not in render_context(ctx)
     ctx = build_context(rows(2), variables)
     assert "api_key: str (redacted)" in render_context(ctx)
+
+
+def test_runtime_lag_counts_the_cells_run_since_a_snapshot_gave_the_namespace():
+    def lag(*statuses):
+        return runtime_lag([{"snapshot_status": s} for s in statuses])
+
+    assert lag() == 0
+    assert lag("ok") == lag("partial") == lag("unchanged") == 0
+    # Skipped, failed, coalesced, pending, off: the variables are those of an older snapshot.
+    assert lag("ok", "skipped") == lag("partial", "failed") == lag("ok", "pending") == 1
+    assert lag("unchanged", "coalesced", "off") == 2
+    assert lag("failed", "skipped") == 2 and lag("none") == 1
+    assert lag("ok", "skipped", "unchanged") == 0
 
 
 def test_markdown_cells_of_the_notebook_come_first():

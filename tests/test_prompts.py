@@ -376,6 +376,14 @@ def test_output_prompt_asks_the_console_for_what_the_cell_reads():
     # Not Python (a magic): an assignment at a line's start still binds; a comparison does not.
     assert ">>> i\n1\n" not in tail("%%time\ni = 2\ni")
     assert tail("%%time\ni <= 2").startswith(">>> i\n1\n")
+    # A cell run since the snapshot (its own was skipped) rebinds i: its old value is not shown.
+    since = [ContextCell(source="i = 7"), ContextCell(source="print('hi')")]
+    ctx = PredictionContext(cells=since, variables=variables, target_source="i + M.sum()")
+    assert ">>> print('hi')\n>>> i\n1\n>>> M\n" in output_prompt(ctx).text
+    ctx.runtime_lag = 2
+    assert ">>> i\n1\n" not in output_prompt(ctx).text and ">>> M\n" in output_prompt(ctx).text
+    ctx.runtime_lag = 1  # the snapshot came after `i = 7`: i is current
+    assert ">>> i\n1\n" in output_prompt(ctx).text
 
 
 def test_output_prompt_shows_what_the_recorder_summarized_as_the_console_would():

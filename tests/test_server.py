@@ -364,6 +364,11 @@ async def test_output_waits_for_a_pending_snapshot_and_refuses_a_stale_one(jp_fe
     events = parse_sse((await post(jp_fetch, "output", body)).body.decode())
     await writer
     assert events[1] == ("chunk", {"text": "8\n"})
+    # A snapshot skipped (or failed) after a later execution leaves the summary of n_rows = 8.
+    eid = store.add_execution(tid, {"source": "n_rows = 9", "status": "ok"})
+    store.write_snapshot(eid, [], status="skipped", detail="the store was busy")
+    events = parse_sse((await post(jp_fetch, "output", body)).body.decode())
+    assert events[1][0] == "no_prediction" and "snapshot" in events[1][1]["reason"]
 
 
 async def test_variable_blob_only_on_explicit_request(jp_fetch, store):

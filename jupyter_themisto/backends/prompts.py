@@ -528,7 +528,8 @@ def output_prompt(
     `max_output_lines` lines of it. With runtime information, the live variables the cell
     reads (and does not bind) come right before it, as the console shows them when asked
     (`_echo`: `>>> v` and its value; a small model copies what it is shown, so only those,
-    never one the cell rebinds, and never the cell's own question). Ends at the next `>>> `;
+    never one the cell or a cell run since the snapshot rebinds, and never the cell's own
+    question). Ends at the next `>>> `;
     the answer never opens a code fence (`FENCES`: an instruct model's way into prose).
     With `max_tokens`, the session keeps its newest cells within about that many tokens
     (`approx_tokens`), its beginning moved in steps (`stable_start`: consecutive prompts of a
@@ -537,6 +538,10 @@ def output_prompt(
     shown = ctx.variables if ctx.with_runtime else []
     named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
     named -= _bound(ctx.target_source or "")
+    # Cells run since the snapshot (`runtime_lag`) may have rebound a variable: not shown.
+    code = [c.source for c in ctx.cells if c.cell_type == "code"]
+    for source in code[len(code) - ctx.runtime_lag :] if ctx.runtime_lag else []:
+        named -= _bound(source)
     cell = ctx.target_source.strip() if ctx.target_source else ""
     asked: list[str] = []
     for echo in (_echo(v) for v in shown if v.name in named):

@@ -417,7 +417,7 @@ def predict_output_from_summary(ctx: PredictionContext) -> str:
     if "\n" in source:
         raise NoPrediction("the retrieval backend predicts only one-line lookups of variables")
     if ctx.runtime_lag:
-        raise NoPrediction("the runtime snapshot of the latest execution is not written yet")
+        raise NoPrediction("the runtime snapshot is older than the latest execution")
     variables = {v.name: v for v in ctx.variables}
     for pattern, kind in ((_BARE, "repr"), (_LEN, "len"), (_SHAPE, "shape")):
         m = pattern.match(source)

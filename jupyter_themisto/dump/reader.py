@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..console import CliError
-from ..context import build_context
+from ..context import build_context, runtime_lag
 
 
 def read_manifest(dump: Path) -> dict[str, Any]:
@@ -119,7 +119,7 @@ class DumpContexts:
                     ]
                     break
         above, below = self.around(instance)
-        return build_context(
+        ctx = build_context(
             executions,
             variables,
             with_runtime=with_runtime,
@@ -131,6 +131,10 @@ class DumpContexts:
             trajectory_id=instance["trajectory_id"],
             notebook_path=prior[0].get("notebook_path") if prior else None,
         )
+        if with_runtime:
+            # As the server tells it: variables of a snapshot older than the newest cells.
+            ctx.runtime_lag = runtime_lag(prior)
+        return ctx
 
 
 def _json_obj(value: Any) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from ..context import (
     ContextCell,
     PredictionContext,
     build_context,
+    runtime_lag,
 )
 from ..redaction import StoreRedactor, redact_variable
 from ..references import reference_pickle
@@ -418,10 +419,9 @@ class ThemistoManager:
             if tail >= n or used < len(rows):
                 break
             tail *= 4
-        if req.with_runtime and rows:
-            snapped = [r["order_index"] for r in rows if r.get("snapshot_id") is not None]
+        if req.with_runtime:
             # No snapshot in the tail: the summary (if any) is older than all of it.
-            ctx.runtime_lag = rows[-1]["order_index"] - snapped[-1] if snapped else len(rows)
+            ctx.runtime_lag = runtime_lag(rows)
         return ctx
 
     async def wait_for_snapshot(self, trajectory: dict[str, Any]) -> None:
