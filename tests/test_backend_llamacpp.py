@@ -163,7 +163,7 @@ async def test_an_output_prediction_never_opens_a_code_fence(model_file):
     backend = llama()
     model = backend.shared()
     # The model has these as single tokens: a bias on each touches nothing else.
-    assert model.details["single"] == {"```", "``", " ```", " ``", " ```\n"}
+    assert model.details["single_tokens"] == {"```", "``", " ```", " ``", " ```\n"}
     assert output_prompt(session(target_source="df")).banned == FENCES
     asked = "Show a Python hello world program in a Markdown code block:\n\n"
     free = "".join(generate(backend, Completion(asked, [], 16)))

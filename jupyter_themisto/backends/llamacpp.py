@@ -280,7 +280,7 @@ class LlamaCppPredictor(LocalModelPredictor):
                 raise BackendUnavailable(f"llamacpp: cannot load {path}: {e}") from None
             details["fim"] = QWEN_FIM if _has_special_tokens(server, QWEN_FIM) else None
             details["repo"] = QWEN_REPO if _has_special_tokens(server, QWEN_REPO) else None
-            details["single"] = _single_tokens(server, FENCES)
+            details["single_tokens"] = _single_tokens(server, FENCES)
             return server
 
         details: dict[str, Any] = {}
@@ -376,7 +376,7 @@ class LlamaCppPredictor(LocalModelPredictor):
             body["n_cache_reuse"] = self.settings.cache_reuse_tokens
         if job.slot >= 0:
             body["id_slot"] = job.slot
-        single = model.details.get("single", frozenset()) if model is not None else frozenset()
+        single = model.details.get("single_tokens", ()) if model is not None else ()
         banned = [text for text in job.banned if text in single]
         if banned:
             body["logit_bias"] = [[text, False] for text in banned]

@@ -529,8 +529,8 @@ def output_prompt(
     reads (and does not bind) come right before it, as the console shows them when asked
     (`_echo`: `>>> v` and its value; a small model copies what it is shown, so only those,
     never one the cell or a cell run since the snapshot rebinds, and never the cell's own
-    question). Ends at the next `>>> `;
-    the answer never opens a code fence (`FENCES`: an instruct model's way into prose).
+    question). Ends at the next `>>> `, and never opens a code fence (`FENCES`: an instruct
+    model's way into prose).
     With `max_tokens`, the session keeps its newest cells within about that many tokens
     (`approx_tokens`), its beginning moved in steps (`stable_start`: consecutive prompts of a
     notebook share it, and the engine's cache), and a cell too long for it alone keeps its end.
@@ -539,8 +539,8 @@ def output_prompt(
     named = set(re.findall(r"[A-Za-z_]\w*", ctx.target_source or ""))
     named -= _bound(ctx.target_source or "")
     # Cells run since the snapshot (`runtime_lag`) may have rebound a variable: not shown.
-    code = [c.source for c in ctx.cells if c.cell_type == "code"]
-    for source in code[len(code) - ctx.runtime_lag :] if ctx.runtime_lag else []:
+    ran = [c.source for c in ctx.cells if c.cell_type == "code" and c.status != "not run"]
+    for source in ran[len(ran) - ctx.runtime_lag :] if ctx.runtime_lag else []:
         named -= _bound(source)
     cell = ctx.target_source.strip() if ctx.target_source else ""
     asked: list[str] = []
