@@ -35,6 +35,7 @@ from jupyter_themisto.backends.model_files import QWEN_CODER_05B, QWEN_CODER_15B
 from jupyter_themisto.backends.openai import OpenAIPredictor
 from jupyter_themisto.backends.prompts import (
     FENCES,
+    NOT_FIRST,
     QWEN_FIM,
     QWEN_REPO,
     next_cell_prompt,
@@ -163,7 +164,8 @@ async def test_an_output_prediction_never_opens_a_code_fence(model_file):
     backend = llama()
     model = backend.shared()
     # The model has these as single tokens: a bias on each touches nothing else.
-    assert model.details["single_tokens"] == {"```", "``", " ```", " ``", " ```\n"}
+    fences = model.details["single_tokens"] & set(FENCES)
+    assert fences == {"```", "``", " ```", " ``", " ```\n"}
     assert output_prompt(session(target_source="df")).banned == FENCES
     asked = "Show a Python hello world program in a Markdown code block:\n\n"
     free = "".join(generate(backend, Completion(asked, [], 16)))
@@ -705,6 +707,48 @@ async def test_an_output_keeps_its_repeated_lines_and_fences():
     backend = ScriptedEngine([out])
     ctx = session(target_source="print(L)\nprint(L)\nprint(L)\nprint(md)")
     assert "".join([c.text async for c in backend.predict_output(ctx)]) == out
+
+
+async def test_an_empty_output_answer_is_asked_again_not_to_end_at_once():
+    """Greedy, the model may go straight on to the next `>>> `: asked again, its first token may
+    not be that (NOT_FIRST); what it then says is kept unless it is chat about the code."""
+    ctx = session(target_source="plt.plot(xs)")
+    jobs = []
+
+    class Recording(ScriptedEngine):
+        def produce(self, model, job, cancelled):
+            jobs.append(job)
+            return super().produce(model, job, cancelled)
+
+    backend = Recording(["", "<Figure size 640x480 with 1 Axes>\n"])
+    text = "".join([c.text async for c in backend.predict_output(ctx)])
+    assert text == "<Figure size 640x480 with 1 Axes>\n"
+    assert [j.banned_first for j in jobs] == [(), NOT_FIRST]
+    assert jobs[1].banned == FENCES and jobs[1].prompt == jobs[0].prompt
+    for chat in (
+        "This code snippet creates a plot of the data.",
+        "...\n\n**Created Question**:\nWhat is the purpose of it?",
+        "To solve the problem, we read the data first.",
+    ):
+        with pytest.raises(NoPrediction, match="no output"):
+            [c async for c in ScriptedEngine(["", chat]).predict_output(ctx)]
+    # A first answer with text is not asked again.
+    backend = Recording(["42\n", "never"])
+    jobs.clear()
+    assert "".join([c.text async for c in backend.predict_output(ctx)]) == "42\n"
+    assert len(jobs) == 1
+
+
+async def test_a_first_token_ban_holds_with_the_real_model(model_file):
+    backend = llama()
+    model = backend.shared()
+    assert {">>>", "\n", "..."} <= model.details["single_tokens"]
+    # After an assignment (no output), the model's first choice is the next `>>> `.
+    prompt = ">>> x = 5\n>>> x\n5\n>>> y = x + 1\n"
+    free = "".join(generate(backend, Completion(prompt, [], 6)))
+    assert free.startswith(">>>"), free
+    again = "".join(generate(backend, Completion(prompt, [], 6, banned_first=NOT_FIRST)))
+    assert again.strip() and not again.startswith((">", "\n", "...")), again
 
 
 # -- the same engine's OpenAI-compatible HTTP server, for the openai backend ----------------------

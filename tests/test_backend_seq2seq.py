@@ -172,6 +172,18 @@ async def test_banned_strings_are_never_generated(model_dir):
     assert banned_ids(tokenizer, [word]) == [tokenizer(word, add_special_tokens=False).input_ids]
 
 
+async def test_a_banned_first_token_is_not_the_first(model_dir):
+    backend = Seq2SeqPredictor({"model_path": str(model_dir)})
+    model = backend.shared()
+    tokenizer = model.model[1]
+    prompt = "import numpy as np\nx = np.arange(10)\n"
+    free = list(backend.produce(model, Completion(prompt, [], 6), threading.Event()))
+    first = tokenizer.decode(tokenizer(free[0], add_special_tokens=False).input_ids[:1])
+    job = Completion(prompt, [], 6, banned_first=(first,))
+    again = list(backend.produce(model, job, threading.Event()))
+    assert again and not again[0].startswith(first), (free, again)
+
+
 async def test_closing_the_stream_frees_the_model(model_dir):
     backend = Seq2SeqPredictor({"model_path": str(model_dir)})
     model = backend.shared()

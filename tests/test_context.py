@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_themisto.backends._text import StopScanner
+from jupyter_themisto.backends._text import StopScanner, chat_prose
 from jupyter_themisto.backends.prompts import render_context, render_prompt
 from jupyter_themisto.context import (
     build_context,
@@ -147,6 +147,25 @@ def test_notebook_code_cells_stand_in_when_nothing_ran_yet():
     # Once cells ran, the recorded executions are the code context.
     ran = build_context([{"source": "x = 1"}], notebook_cells=nb)
     assert [c.source for c in ran.cells] == ["# Intro", "x = 1"]
+
+
+def test_chat_about_the_code_is_told_from_outputs():
+    for chat in (
+        "This code snippet creates a scatter plot of Iris flowers.",
+        "...\n\n**Created Question**:\nWhat is the purpose of the `KMeans` class?",
+        "To solve the given problem, we need to understand the code.",
+        "42\nThe output of the program will be 42.",
+    ):
+        assert chat_prose(chat), chat
+    for output in (
+        "<Figure size 640x480 with 1 Axes>\n",
+        "first value: 1\n",
+        "   sepal_length  sepal_width\n0           5.1          3.5\n",
+        "TypeError: unsupported operand type(s) for +: 'int' and 'str'\n",
+        "The answer is 42\n",  # a sentence, but not about code
+        "[0, 1, 4, 9]\n",
+    ):
+        assert not chat_prose(output), output
 
 
 def test_stop_scanner_cuts_across_chunks():

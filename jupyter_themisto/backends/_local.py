@@ -23,9 +23,17 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from ..context import PredictionContext
-from ._text import AnswerBounds, FenceStripper, StopScanner, degenerate_reason, hold_back
+from ._text import (
+    AnswerBounds,
+    FenceStripper,
+    StopScanner,
+    chat_prose,
+    degenerate_reason,
+    hold_back,
+)
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 from .prompts import (
+    NOT_FIRST,
     Example,
     FimTokens,
     Prompt,
@@ -57,6 +65,8 @@ class Completion:
     slot: int = -1
     #: strings the answer never spells (`Prompt.banned`)
     banned: tuple[str, ...] = ()
+    #: strings the answer's first token may not be (`prompts.NOT_FIRST`)
+    banned_first: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -698,11 +708,22 @@ class LocalModelPredictor(Predictor):
             self.settings.seed,
             self.settings.output_timeout,
         )
-        got = False
+        start = time.monotonic()
+        shown = ""
         async for text in self._complete(job, code=False):
-            got = True
+            shown += text
             yield OutputChunk(text=text)
-        if not got:
+        left = self.settings.output_timeout - (time.monotonic() - start)
+        if not shown.strip() and left > 0:
+            # Greedy, the model went straight on to the next `>>> `. Asked again, its answer may
+            # not begin so; shown once whole, unless it is chat about the code (on 300 corpus
+            # outputs: 22 of 32 empty answers filled, +1.8 chrF; see README).
+            again = replace(job, banned_first=NOT_FIRST, time_limit=left)
+            text = "".join([t async for t in self._complete(again, code=False)])
+            if text.strip() and not chat_prose(text):
+                yield OutputChunk(text=text)
+                return
+        if not shown:
             raise NoPrediction(f"the {self.name} model predicts no output for this cell")
 
     async def warm(self, ctx: PredictionContext) -> None:

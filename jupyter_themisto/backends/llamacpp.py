@@ -18,6 +18,7 @@ import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ._local import (
 from .base import BackendError, BackendUnavailable
 from .prompts import (
     FENCES,
+    NOT_FIRST,
     QWEN_FIM,
     QWEN_REPO,
     FimTokens,
@@ -280,7 +282,7 @@ class LlamaCppPredictor(LocalModelPredictor):
                 raise BackendUnavailable(f"llamacpp: cannot load {path}: {e}") from None
             details["fim"] = QWEN_FIM if _has_special_tokens(server, QWEN_FIM) else None
             details["repo"] = QWEN_REPO if _has_special_tokens(server, QWEN_REPO) else None
-            details["single_tokens"] = _single_tokens(server, FENCES)
+            details["single_tokens"] = _single_tokens(server, FENCES + NOT_FIRST)
             return server
 
         details: dict[str, Any] = {}
@@ -383,6 +385,29 @@ class LlamaCppPredictor(LocalModelPredictor):
         return body
 
     def run(
+        self,
+        model: SharedModel,
+        job: Completion,
+        cancelled: threading.Event,
+        emit: Callable[[str], None],
+    ) -> None:
+        if job.banned_first:
+            # The engine bans tokens at every position: the first one is asked for alone, with
+            # those banned too, and the answer goes on from it (its prompt is in the cache).
+            first: list[str] = []
+            head = replace(job, max_tokens=1, banned=job.banned + job.banned_first, banned_first=())
+            self._generate(model, head, cancelled, first.append)
+            text = "".join(first)
+            if text:
+                emit(text)
+            if not text or cancelled.is_set() or job.max_tokens <= 1:
+                return
+            job = replace(
+                job, prompt=job.prompt + text, max_tokens=job.max_tokens - 1, banned_first=()
+            )
+        self._generate(model, job, cancelled, emit)
+
+    def _generate(
         self,
         model: SharedModel,
         job: Completion,

@@ -48,6 +48,10 @@ CELL_MARKER = "# %%"
 #: 4 of 2,480. Output prompts ban them (`Prompt.banned`).
 FENCES = ("```", "``", " ```", " ``", " ```\n", "```\n", "````")
 
+#: What an output answer may not begin with when asked again after an empty one: greedy, the
+#: model went straight on to the next `>>> ` (32 of 300 corpus answers), or continues the cell.
+NOT_FIRST = (">>>", ">>", ">", "\n", "\n\n", " \n", "...", "...\n", " ...")
+
 # An object's default repr says nothing about what comes next: `<Figure size 640x480 with 1
 # Axes>`, `[<matplotlib.lines.Line2D at 0x7f…>]`, `<list_iterator at 0x7f…>`, `Text(0.5, 1.0,
 # 'x')` (what plt.title returns), `<IPython.core.display.HTML object>`.

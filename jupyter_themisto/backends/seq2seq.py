@@ -98,6 +98,8 @@ class Seq2SeqPredictor(LocalModelPredictor):
         inputs = tokenizer(job.prompt, return_tensors="pt", truncation=True, max_length=limit)
         inputs.pop("token_type_ids", None)
         banned = banned_ids(tokenizer, job.banned)
+        # Not the first token: those of `banned_first` that are one token each.
+        first = [ids[0] for ids in banned_ids(tokenizer, job.banned_first) if len(ids) == 1]
         streamer = tf.TextIteratorStreamer(
             tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=300
         )
@@ -119,6 +121,7 @@ class Seq2SeqPredictor(LocalModelPredictor):
                         **({"temperature": job.temperature} if job.temperature > 0 else {}),
                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                         **({"bad_words_ids": banned} if banned else {}),
+                        **({"begin_suppress_tokens": first} if first else {}),
                         streamer=streamer,
                         stopping_criteria=tf.StoppingCriteriaList([Cancelled()]),
                     )
