@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .store import NAMESPACE_STATUSES
+
 
 @dataclass
 class ContextCell:
@@ -312,17 +314,12 @@ def _within(
     return chosen if keep_order else chosen[::-1]
 
 
-#: snapshot statuses after which the kernel's namespace is known: written (`ok`, `partial`), or
-#: the same as an earlier one (`unchanged`). Not `skipped`, `failed`, `coalesced`, `pending`.
-KNOWN_STATE = ("ok", "partial", "unchanged")
-
-
 def runtime_lag(executions: Sequence[dict[str, Any]]) -> int:
     """How many of `executions` (store or dump rows, oldest first) ran after the newest one
     whose snapshot gives the namespace: the runtime summary is that many executions old (all of
     them when none has one). A skipped or failed snapshot leaves the variables of an older one."""
     for lag, row in enumerate(reversed(executions)):
-        if row.get("snapshot_status") in KNOWN_STATE:
+        if row.get("snapshot_status") in NAMESPACE_STATUSES:
             return lag
     return len(executions)
 

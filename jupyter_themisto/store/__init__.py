@@ -3,6 +3,7 @@
 from .schema import SCHEMA_VERSION
 from .trajectory_store import (
     EXECUTION_STATUSES,
+    NAMESPACE_STATUSES,
     SNAPSHOT_STATUSES,
     STORE_ENV,
     StoreError,
@@ -13,6 +14,7 @@ from .trajectory_store import (
 
 __all__ = [
     "EXECUTION_STATUSES",
+    "NAMESPACE_STATUSES",
     "SCHEMA_VERSION",
     "SNAPSHOT_STATUSES",
     "STORE_ENV",

@@ -55,6 +55,10 @@ _EXECUTION_FIELDS = (
 )
 EXECUTION_STATUSES = ("ok", "error", "interrupted", "lost")
 SNAPSHOT_STATUSES = ("ok", "partial", "skipped", "failed", "unchanged", "coalesced")
+#: the snapshot statuses after which the kernel's namespace is known: written (`ok`, `partial`)
+#: or the same as an earlier one (`unchanged`); after the others (and `pending`), the newest
+#: variables are those of an older snapshot
+NAMESPACE_STATUSES = ("ok", "partial", "unchanged")
 
 
 class StoreError(Exception):
@@ -669,9 +673,10 @@ class TrajectoryStore:
             .execute(
                 "SELECT e.id, s.status, s.same_as FROM executions e"
                 " JOIN snapshots s ON s.execution_id = e.id"
-                " WHERE e.trajectory_id = ? AND s.status IN ('ok', 'partial', 'unchanged')"
+                " WHERE e.trajectory_id = ?"
+                f" AND s.status IN ({', '.join('?' * len(NAMESPACE_STATUSES))})"
                 " ORDER BY e.order_index DESC LIMIT 50",
-                (trajectory_id,),
+                (trajectory_id, *NAMESPACE_STATUSES),
             )
             .fetchall()
         )
