@@ -384,6 +384,8 @@ def test_output_prompt_asks_the_console_for_what_the_cell_reads():
     assert ">>> i\n1\n" not in output_prompt(ctx).text and ">>> M\n" in output_prompt(ctx).text
     ctx.runtime_lag = 1  # the snapshot came after `i = 7`: i is current
     assert ">>> i\n1\n" in output_prompt(ctx).text
+    ctx.runtime_lag = 9  # older than every cell the context kept (it holds only the newest)
+    assert ">>> i\n1\n" not in output_prompt(ctx).text
 
 
 def test_output_prompt_shows_what_the_recorder_summarized_as_the_console_would():
