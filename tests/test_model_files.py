@@ -7,12 +7,15 @@ sys.path, found by the same import-system look-up); the real model's 491 MB are 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from jupyter_themisto.backends import model_files
@@ -58,11 +61,20 @@ def test_the_code_models_are_installed_assembled_and_verified(spec, size, sha256
         path = model_files.part_path(part)
         assert path is not None and path.stat().st_size == part.size
     assert sum(p.size for p in spec.parts) == spec.size == size
+    assert spec.sha256 == sha256  # of the joined slices, checked while joining
     path = ensure_model(spec)
-    assert path.name == spec.filename and path.stat().st_size == size
-    assert spec.sha256 == sha256 and verify(spec, path)  # the whole file's SHA-256
+    assert (path.name, path.stat().st_size) == spec.ready[:2]  # (0.5b: rewritten, see below)
+    assert verify(spec, path)  # the loaded file's SHA-256
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_the_engine_loads_the_0_5b_with_its_q5_0_tensors_as_q8_0():
+    path = ensure_model(QWEN_CODER_05B)
+    assert path.name == "qwen2.5-coder-0.5b-instruct-q5as8.gguf"
+    assert verify(QWEN_CODER_05B, path)  # 636,896,128 bytes, the pinned SHA-256
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert "Q5_0" not in kinds and "Q8_0" in kinds
 
 
 def _binary_only(requirements: list[str]) -> subprocess.CompletedProcess[str]:
@@ -122,7 +134,10 @@ def test_cli_status_and_install(tmp_path, capsys):
     assert cli_main(["model", "install", "--dir", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "assembled and verified" in captured.out and "(100 %)" in captured.err
-    assert (tmp_path / QWEN_CODER_05B.filename).stat().st_size == QWEN_CODER_05B.size
+    name, size, _ = QWEN_CODER_05B.ready
+    assert (tmp_path / name).stat().st_size == size and [p.name for p in tmp_path.iterdir()] == [
+        name  # the joined file, rewritten, is gone
+    ]
     assert cli_main(["model", "install", "--dir", str(tmp_path)]) == 0
     assert "already there" in capsys.readouterr().out
     assert cli_main(["model", "status", "--model", "nope"]) == 2
@@ -262,3 +277,119 @@ def test_a_file_of_the_wrong_size_is_not_used(toy):
 def test_unknown_model_name():
     with pytest.raises(ModelFileError, match="unknown model 'gpt-5'"):
         model_files.model_spec("gpt-5")
+
+
+# -- the rewrite of Q5_0 tensors as Q8_0 --------------------------------------------------------
+
+
+def tiny_gguf(path: Path) -> dict[str, np.ndarray]:
+    """A small GGUF file as a converter writes one: metadata of several kinds, a Q5_0 tensor
+    (odd values, both halves of each block, the fifth bit set and clear), a Q8_0 and an F32
+    one. Returns each tensor's values."""
+    rng = np.random.default_rng(7)
+    values = {
+        "blk.0.attn_q.weight": rng.normal(0, 0.05, (8, 64)).astype(np.float32),
+        "blk.0.attn_v.weight": rng.normal(0, 0.05, (4, 64)).astype(np.float32),
+        "blk.0.attn_norm.weight": rng.normal(1, 0.1, (64,)).astype(np.float32),
+    }
+    values["blk.0.attn_q.weight"][0, :32] = np.arange(-16, 16) / 16  # every 5-bit value
+    kinds = {
+        "blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q5_0,
+        "blk.0.attn_v.weight": gguf.GGMLQuantizationType.Q8_0,
+        "blk.0.attn_norm.weight": gguf.GGMLQuantizationType.F32,
+    }
+    writer = gguf.GGUFWriter(path, arch="qwen2")
+    writer.add_name("tiny")
+    writer.add_context_length(64)
+    writer.add_token_list(["<a>", "b", "ć"])
+    writer.add_token_scores([0.0, -1.5, 2.25])
+    stored = {}
+    for name, data in values.items():
+        kind = kinds[name]
+        raw = data if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(data, kind)
+        writer.add_tensor(name, raw, raw_dtype=kind)
+        stored[name] = (
+            data if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.dequantize(raw, kind)
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def test_q5_0_tensors_are_rewritten_as_q8_0_value_for_value(tmp_path):
+    source, dest = tmp_path / "tiny.gguf", tmp_path / "tiny-q8.gguf"
+    stored = tiny_gguf(source)
+    seen: list[int] = []
+    model_files.q5_0_as_q8_0(source, dest, seen.append)
+    before, after = gguf.GGUFReader(source), gguf.GGUFReader(dest)
+    kinds = {t.name: t.tensor_type.name for t in after.tensors}
+    assert kinds == {
+        "blk.0.attn_q.weight": "Q8_0",  # was Q5_0
+        "blk.0.attn_v.weight": "Q8_0",
+        "blk.0.attn_norm.weight": "F32",
+    }
+    for t in after.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(stored[t.name].shape)
+        assert np.array_equal(values, stored[t.name]), t.name  # exactly, not approximately
+    q5 = next(t for t in before.tensors if t.name == "blk.0.attn_q.weight")
+    assert len(np.unique(gguf.quants.dequantize(q5.data, q5.tensor_type)[0, :32])) == 32
+    assert {k: f.contents() for k, f in before.fields.items() if not k.startswith("GGUF.")} == {
+        k: f.contents() for k, f in after.fields.items() if not k.startswith("GGUF.")
+    }
+    assert seen and seen[-1] == sum(t.data.nbytes for t in after.tensors)
+
+
+def rewritten_toy(site: Path, tmp_path: Path) -> tuple[ModelSpec, bytes]:
+    """The toy slice packages of a tiny GGUF, with a rewrite, and the rewritten file's bytes."""
+    source = tmp_path / "source.gguf"
+    tiny_gguf(source)
+    model_files.q5_0_as_q8_0(source, tmp_path / "expected.gguf")
+    expected = (tmp_path / "expected.gguf").read_bytes()
+    whole = source.read_bytes()
+    third = len(whole) // 3
+    prefix = f"rw_{os.getpid()}_{tmp_path.name}".replace("-", "_")
+    spec = make_parts(site, prefix, [whole[:third], whole[third : 2 * third], whole[2 * third :]])
+    rewrite = model_files.Rewrite(
+        filename="toy-q5as8.gguf", size=len(expected), sha256=hashlib.sha256(expected).hexdigest()
+    )
+    return dataclasses.replace(spec, rewrite=rewrite), expected
+
+
+def test_the_assembly_rewrites_the_joined_file_and_keeps_only_the_result(toy, tmp_path):
+    _, site, target, _ = toy
+    spec, expected = rewritten_toy(site, tmp_path)
+    target.mkdir()
+    (target / spec.filename).write_bytes(b"an earlier version's joined file, loaded as it was")
+    (target / "other.gguf").write_bytes(b"somebody else's")
+    seen = []
+    path = assemble(spec, target, progress=lambda done, total: seen.append((done, total)))
+    assert path.name == "toy-q5as8.gguf" and path.read_bytes() == expected
+    assert leftovers(target) == ["other.gguf", "toy-q5as8.gguf"]  # the joined file is gone
+    total = spec.size + len(expected)
+    assert seen[-1] == (total, total) and any(done <= spec.size for done, _ in seen)
+    assert verify(spec, path)
+    assert ensure_model(spec, target_dir=target) == path  # there: neither joined nor rewritten
+
+
+def test_a_rewrite_that_does_not_match_its_checksum_is_named_and_nothing_stays(toy, tmp_path):
+    _, site, target, _ = toy
+    spec, expected = rewritten_toy(site, tmp_path)
+    wrong = dataclasses.replace(spec.rewrite, sha256="0" * 64)
+    with pytest.raises(ModelFileError, match=r"rewriting its Q5_0 tensors as Q8_0 gave .*SHA-256"):
+        assemble(dataclasses.replace(spec, rewrite=wrong), target)
+    assert leftovers(target) == []  # neither the joined file nor the rewrite's temporary file
+
+
+def test_an_interrupted_rewrite_leaves_nothing(toy, tmp_path):
+    _, site, target, _ = toy
+    spec, _ = rewritten_toy(site, tmp_path)
+
+    def interrupt(done: int, total: int) -> None:
+        if done > spec.size:  # joined already, rewriting
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        assemble(spec, target, progress=interrupt)
+    assert leftovers(target) == []

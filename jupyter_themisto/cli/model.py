@@ -57,8 +57,9 @@ def cmd_install(args: argparse.Namespace) -> int:
     if target is None:
         before = model_files.find_model(spec)
     else:
-        existing = Path(target) / spec.filename
-        before = existing if existing.is_file() and existing.stat().st_size == spec.size else None
+        name, size, _ = spec.ready
+        existing = Path(target) / name
+        before = existing if existing.is_file() and existing.stat().st_size == size else None
 
     # One line updated in place on a terminal; a line per fifth in a log.
     tty = sys.stderr.isatty()
@@ -70,7 +71,7 @@ def cmd_install(args: argparse.Namespace) -> int:
             shown[0] = percent
             mb = 2**20
             print(
-                f"{start}assembling {spec.filename}: {done // mb} / {total // mb} MB ({percent} %)",
+                f"{start}assembling {spec.ready[0]}: {done // mb} / {total // mb} MB ({percent} %)",
                 end=end,
                 file=sys.stderr,
                 flush=True,
