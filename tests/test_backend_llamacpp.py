@@ -178,6 +178,24 @@ async def test_an_output_prediction_never_opens_a_code_fence(model_file):
     assert "logit_bias" not in backend.request(Completion(asked, [], 1), model=model)
 
 
+async def test_speculative_ngram_drafts_from_the_prompt(model_file):
+    cell = "for name in ['ada', 'bob', 'cy']:\n    print(name.upper(), len(name), name * 2)\n"
+    head = cell[: cell.index(":\n") + 2]  # the loop's first line: its body comes next
+    prompt = f"# %%\nimport math\n\n# %%\n{cell}\n# %%\nx = 1\n\n# %%\n{head}"
+    job = Completion(prompt, ["# %%"], 32)
+    drafted = {}
+    for speculative in (0, 4):
+        backend = llama(speculative_ngram=speculative, speculative_draft=8)
+        model = backend.shared()
+        with model.lock:
+            answer = model.model.handle_completions(backend.request(job, stream=False, model=model))
+        assert "print(name.upper()" in answer["choices"][0]["text"]  # the cell, repeated
+        drafted[speculative] = answer["timings"].get("draft_n_accepted", 0)
+    # The setting is the engine's: each value loads its own; only the one on drafts.
+    assert llama(speculative_ngram=4, speculative_draft=8).shared() is not llama().shared()
+    assert drafted[0] == 0 and drafted[4] >= 8
+
+
 async def test_cancelling_stops_generation_at_the_next_token(model_file):
     backend = llama()
     job = Completion(ENDLESS, [], max_tokens=64)

@@ -165,6 +165,18 @@ class LlamaCppSettings(LocalModelSettings):
         256, description="MB of earlier prompts' states kept in RAM for later requests"
     )
     flash_attn: bool = Field(False, description="llama.cpp's flash attention")
+    speculative_ngram: int = Field(
+        6,
+        ge=0,
+        description="draft tokens from the prompt itself (llama.cpp's `ngram-simple` speculative"
+        " decoding): where the newest N tokens appeared before, the tokens that followed them"
+        " there are checked in one step instead of generated one by one; the answer is the"
+        " same (but for near-ties), sooner where a cell repeats code above it (0: off; see"
+        " README)",
+    )
+    speculative_draft: int = Field(
+        8, ge=1, description="with `speculative_ngram`: tokens drafted at a time"
+    )
 
     @field_validator("model", mode="before")
     @classmethod
@@ -237,6 +249,8 @@ class LlamaCppPredictor(LocalModelPredictor):
             self.settings.n_batch,
             self.settings.flash_attn,
             self.settings.cache_ram_mb,
+            self.settings.speculative_ngram,
+            self.settings.speculative_draft,
         )
 
     def shared(self) -> SharedModel:
@@ -265,6 +279,13 @@ class LlamaCppPredictor(LocalModelPredictor):
                 if self.settings.flash_attn
                 else xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
+            if self.settings.speculative_ngram:
+                spec = params.speculative
+                spec.types = [
+                    xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE
+                ]
+                spec.ngram_simple.size_n = self.settings.speculative_ngram
+                spec.ngram_simple.size_m = spec.draft.n_max = self.settings.speculative_draft
             params.sampling.seed = self.settings.seed
             params.verbosity = -1
             # The engine's HTTP listener cannot be turned off: loopback, a free port, and a key
