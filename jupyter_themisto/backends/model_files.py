@@ -255,15 +255,20 @@ def find_model(spec: ModelSpec) -> Path | None:
     """The model's file if it is ready to load (assembled with the right size, or shipped)."""
     if not spec.assembled:
         return part_path(spec.parts[0])
-    name, size, _ = spec.ready
     for folder in model_dirs():
-        path = folder / name
-        try:
-            if path.stat().st_size == size:
-                return path
-        except OSError:
-            continue
+        if (path := ready_in(spec, folder)) is not None:
+            return path
     return None
+
+
+def ready_in(spec: ModelSpec, folder: Path) -> Path | None:
+    """`folder`'s copy of the file the engine loads, if it is there with the right size."""
+    name, size, _ = spec.ready
+    path = Path(folder) / name
+    try:
+        return path if path.is_file() and path.stat().st_size == size else None
+    except OSError:
+        return None
 
 
 Progress = Callable[[int, int], None]
@@ -288,9 +293,8 @@ def ensure_model(
             raise ModelFileError(_missing(spec, spec.parts[0]))
         target_dir = user_model_dir()
     with _assembling:
-        name, size, _ = spec.ready
-        existing = Path(target_dir) / name
-        if existing.is_file() and existing.stat().st_size == size:
+        existing = ready_in(spec, Path(target_dir))
+        if existing is not None:
             return existing  # made meanwhile by another thread, or there already
         return assemble(spec, Path(target_dir), progress=progress)
 

@@ -57,9 +57,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     if target is None:
         before = model_files.find_model(spec)
     else:
-        name, size, _ = spec.ready
-        existing = Path(target) / name
-        before = existing if existing.is_file() and existing.stat().st_size == size else None
+        before = model_files.ready_in(spec, Path(target))
 
     # One line updated in place on a terminal; a line per fifth in a log.
     tty = sys.stderr.isatty()
