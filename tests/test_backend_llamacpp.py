@@ -561,6 +561,11 @@ async def test_a_cold_prompt_is_answered_short_and_evaluated_whole_after(model_f
     off = llama(max_tokens=8, cold_prompt_tokens=0)
     fresh = long_notebook(12, f"# {secrets.token_hex(8)}")
     assert off.cold_prompt(fresh, model, off.next_cell_prompt(fresh, model)) is None
+    # Nor when a cold prompt would be no shorter than the budget every prompt is cut to.
+    for cold, budget, short_one in ((60, 200, True), (200, 200, False), (300, 200, False)):
+        b = llama(max_tokens=8, cold_prompt_tokens=cold, max_prompt_tokens=budget)
+        answer = b.cold_prompt(fresh, model, b.next_cell_prompt(fresh, model))
+        assert (answer is not None) == short_one, (cold, budget)
 
 
 async def test_smollm2_stays_available(model_file):

@@ -140,9 +140,9 @@ class LlamaCppSettings(LocalModelSettings):
         ge=0,
         description="a next-cell prompt the engine's cache holds no beginning of (a notebook's"
         " first suggestion, or when the prompt's first cell moved) keeps only its newest cells"
-        " within this many tokens (e.g. 256), to be answered sooner; the whole prompt is"
-        " evaluated after the answer, for the next one (0, the default: always the whole"
-        " prompt; see README for what it cost in chrF)",
+        " within this many tokens (e.g. 384), to be answered sooner; the whole prompt is"
+        " evaluated after the answer, for the next one (0, the default, or not less than"
+        " `max_prompt_tokens`: always the whole prompt; see README for what it changed)",
     )
     output_prompt_tokens: int = Field(
         384,
@@ -347,8 +347,11 @@ class LlamaCppPredictor(LocalModelPredictor):
     def cold_prompt(
         self, ctx: PredictionContext, model: SharedModel, prompt: Prompt
     ) -> Prompt | None:
-        cold_chars = int(self.settings.cold_prompt_tokens * CHARS_PER_TOKEN)
-        if not cold_chars or len(prompt.prefix) <= cold_chars or model.holds(prompt.prefix):
+        cold = self.settings.cold_prompt_tokens
+        if not cold or cold >= self.settings.prompt_budget():
+            return None  # (the whole prompt is no longer than a cold one)
+        cold_chars = int(cold * CHARS_PER_TOKEN)
+        if len(prompt.prefix) <= cold_chars or model.holds(prompt.prefix):
             return None
         return next_cell_prompt(ctx, self.prompt_options, self._fim(model), cold_chars)
 
