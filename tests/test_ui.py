@@ -466,6 +466,13 @@ def test_timeline_lists_the_executions(page: Page, lab: JupyterLab) -> None:
     assert orders == sorted(orders) and len(set(orders)) == 3
     expect(panel.locator("svg.jp-ThemistoChart rect")).to_have_count(3)
     expect(panel.locator("svg.jp-ThemistoChart polyline")).to_have_count(1)
+    # The legend says what bars and line are, and the scale each is drawn to.
+    expect(panel.locator(".jp-ThemistoChart-legend")).to_have_text(
+        re.compile(
+            r"^Bars: wall time, longest \d+(\.\d+)? (ms|s) · Line: memory, \d+\.\d MB"
+            r"( to \d+\.\d MB)?$"
+        )
+    )
     expect(panel).to_contain_text("3 executions recorded")
     shot(page, "4-timeline")
 

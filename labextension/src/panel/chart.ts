@@ -29,6 +29,30 @@ export function formatBytes(bytes: number | null): string {
   return `${(bytes / (1024 * 1024)).toFixed(1)} MB`;
 }
 
+/**
+ * What the chart draws, in words: the longest wall time (the bars' scale) and the range of
+ * memory (the line spans it from bottom to top, however small it is).
+ */
+export function chartLegend(executions: IExecution[], trans: TranslationBundle): string {
+  const times = executions.map(e => e.wall_time).filter((t): t is number => t !== null);
+  const mems = executions
+    .map(e => e.memory_after ?? e.memory_peak ?? null)
+    .filter((m): m is number => m !== null && m !== undefined);
+  const parts = [
+    trans.__('Bars: wall time, longest %1', formatSeconds(times.length ? Math.max(...times) : null))
+  ];
+  if (mems.length) {
+    const low = formatBytes(Math.min(...mems));
+    const high = formatBytes(Math.max(...mems));
+    parts.push(
+      low === high
+        ? trans.__('Line: memory, %1', low)
+        : trans.__('Line: memory, %1 to %2', low, high)
+    );
+  }
+  return parts.join(' · ');
+}
+
 export function renderChart(
   executions: IExecution[],
   trans: TranslationBundle,

@@ -9,7 +9,7 @@ import { Widget } from '@lumino/widgets';
 import { describeFailure } from '../common/errors';
 import { listExecutions, listTrajectories } from '../common/trajectories';
 import { IExecution, ITrajectory } from '../common/types';
-import { formatBytes, formatSeconds, renderChart } from './chart';
+import { chartLegend, formatBytes, formatSeconds, renderChart } from './chart';
 import { button, div, header } from './dom';
 
 /** How many executions the timeline shows at most (the newest). */
@@ -107,6 +107,7 @@ export class TimelineView extends Widget {
       return;
     }
     this._chart.appendChild(renderChart(executions, this._trans));
+    this._chart.appendChild(div('jp-ThemistoChart-legend', chartLegend(executions, this._trans)));
     this._table.appendChild(this._tableOf(executions));
   }
 
