@@ -29,15 +29,18 @@ export function formatBytes(bytes: number | null): string {
   return `${(bytes / (1024 * 1024)).toFixed(1)} MB`;
 }
 
+/** The memory an execution left (its peak where the memory after it was not measured). */
+function memoryOf(execution: IExecution): number | null {
+  return execution.memory_after ?? execution.memory_peak ?? null;
+}
+
 /**
  * What the chart draws, in words: the longest wall time (the bars' scale) and the range of
  * memory (the line spans it from bottom to top, however small it is).
  */
 export function chartLegend(executions: IExecution[], trans: TranslationBundle): string {
   const times = executions.map(e => e.wall_time).filter((t): t is number => t !== null);
-  const mems = executions
-    .map(e => e.memory_after ?? e.memory_peak ?? null)
-    .filter((m): m is number => m !== null && m !== undefined);
+  const mems = executions.map(memoryOf).filter((m): m is number => m !== null);
   const parts = [
     trans.__('Bars: wall time, longest %1', formatSeconds(times.length ? Math.max(...times) : null))
   ];
@@ -77,7 +80,7 @@ export function renderChart(
   const plotH = height - 2 * pad;
   const step = (width - 2 * pad) / executions.length;
   const maxTime = Math.max(...executions.map(e => e.wall_time ?? 0), 1e-6);
-  const mems = executions.map(e => e.memory_after ?? e.memory_peak ?? null);
+  const mems = executions.map(memoryOf);
   const known = mems.filter((m): m is number => m !== null);
   const minMem = known.length ? Math.min(...known) : 0;
   const maxMem = known.length ? Math.max(...known) : 1;
