@@ -70,6 +70,22 @@ async def test_ranks_the_next_step_of_a_known_workflow(store):
     assert hits / total >= 0.8, (hits, total)
 
 
+async def test_scores_are_relative_to_the_best_match(store):
+    """The panel shows each suggestion's score: on the 0-1 scale of the models' ranked lists
+    (BM25 over the best match's, best first), not a raw BM25 score; the cell that followed
+    these very cells before takes the first place and 1."""
+    record(store, EDA)
+    record(store, TRAIN)
+    ctx = build_context([{"source": s} for s in EDA[:3]])
+    for settings in ({"continuation_cells": 0}, {}):
+        backend = RetrievalPredictor(settings, BackendEnv(store=store))
+        chunks = [c async for c in backend.predict_next_cell(ctx, n=4)]
+        scores = [c.score for c in chunks]
+        assert len(scores) == 4 and scores[0] == 1.0, scores
+        assert scores == sorted(scores, reverse=True) and 0 < scores[-1] < 1, scores
+    assert chunks[0].text == EDA[3]  # (the next step of the one workflow recorded)
+
+
 async def test_live_variable_names_steer_the_ranking(store):
     uses = {"arr": ["arr = np.zeros(3)", "arr.sum()"], "mat": ["mat = np.eye(3)", "mat.T"]}
     for cells in uses.values():

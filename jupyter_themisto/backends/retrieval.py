@@ -367,12 +367,14 @@ class RetrievalPredictor(Predictor):
             if first is None:
                 raise
             ranked = []
+        # Scores on the 0-1 scale of the models' ranked lists: each cell's BM25 score over the
+        # best one's (a raw BM25 score, "4.68", means nothing to the person reading the panel).
+        top = max((score for _, score in ranked), default=0.0) or 1.0
         if first is not None:
             # It ran after these very cells: first, scored as the best BM25 candidate.
-            top = max((score for _, score in ranked), default=1.0)
             ranked = [(first, top)] + [r for r in ranked if normalized(r[0]) != normalized(first)]
         for i, (text, score) in enumerate(ranked[: max(1, n)]):
-            yield NextCellChunk(index=i, text=text, done=True, score=round(score, 4))
+            yield NextCellChunk(index=i, text=text, done=True, score=round(score / top, 4))
 
     # -- output ------------------------------------------------------------------------------
 
