@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 from playwright.sync_api import Browser, Page, WebSocket, expect, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from jupyter_themisto.store import TrajectoryStore
 from tests.peers import Fault, OpenAIPeer
@@ -370,6 +371,75 @@ def test_long_suggestion_streams_into_the_ghost_text(
         expect(active.locator(".cm-content")).to_contain_text("print(mean, spread)")
         assert active.locator(".cm-content").inner_text().strip() == LONG_SUGGESTION
         assert any(r.path.endswith("/chat/completions") for r in model_server.requests)
+    finally:
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
+
+
+ACTIVE_TEXT_JS = """() => {
+  const panel = '.jp-NotebookPanel:not(.lm-mod-hidden)';
+  const cell = document.querySelector(`${panel} .jp-Cell.jp-mod-active`);
+  // (not the spacers that hold a removed ghost text's place for a moment)
+  const spacers = ':not(.jp-GhostText-lineSpacer):not(.jp-GhostText-letterSpacer)';
+  const ghost = cell.querySelector(`.jp-GhostText${spacers}`);
+  const lines = Array.from(cell.querySelectorAll('.cm-line')).map(line => {
+    const copy = line.cloneNode(true);
+    copy.querySelectorAll('.jp-GhostText').forEach(g => g.remove());
+    return copy.textContent;
+  });
+  return [lines.join('\\n'), ghost ? ghost.innerText : null];
+}"""
+
+
+def test_typed_or_accepted_parts_keep_the_rest_of_the_suggestion(
+    page: Page, lab: JupyterLab, model_server: OpenAIPeer
+) -> None:
+    """Ctrl+↓ accepts a line of the ghost text, Alt+→ a word, and typing what it says goes
+    on: each time the rest stays as ghost text. Typing something else hides it; deleting back
+    to where the cell agrees with it again brings the rest back."""
+    lab.api("PUT", SETTINGS, {"raw": '{"backend": "openai", "debounceMs": 30}'})
+    try:
+        open_notebook(page, lab, "parts.ipynb")
+        run_cell(page, "values = [1, 2, 3, 4]")
+        ghost = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active .jp-GhostText")
+        expect(ghost).to_contain_text("print(mean, spread)", timeout=60_000)
+
+        def shows(cell: str, rest: str | None) -> None:
+            """Wait until the active cell holds `cell` and its ghost text is `rest`."""
+            try:
+                page.wait_for_function(
+                    f"([want]) => JSON.stringify(({ACTIVE_TEXT_JS})()) === JSON.stringify(want)",
+                    arg=[[cell, rest]],
+                    timeout=TIMEOUT_MS,
+                )
+            except PlaywrightTimeoutError:
+                seen = page.evaluate(ACTIVE_TEXT_JS)
+                raise AssertionError(f"want {[cell, rest]!r}, seen {seen!r}") from None
+
+        first, second, third = LONG_SUGGESTION.split("\n")
+        shows("", LONG_SUGGESTION)
+        page.keyboard.press("Control+ArrowDown")
+        shows(first + "\n", f"{second}\n{third}")
+        page.keyboard.press("Alt+ArrowRight")
+        shows(f"{first}\nspread", f" = max(values) - min(values)\n{third}")
+        page.keyboard.type(" = m")
+        shows(f"{first}\nspread = m", f"ax(values) - min(values)\n{third}")
+        shot(page, "9-ghost-text-in-parts")
+        page.keyboard.type("e")  # not what it says: no ghost text
+        shows(f"{first}\nspread = me", None)
+        page.keyboard.press("Backspace")
+        shows(f"{first}\nspread = m", f"ax(values) - min(values)\n{third}")
+        page.keyboard.press("Tab")
+        shows(LONG_SUGGESTION, None)
+
+        # While the suggestion streams (0.4 s a chunk), typing what it says keeps it coming.
+        for _ in range(4):  # one slow stream per request the page may make
+            model_server.fail(Fault.slow(0.4))
+        page.keyboard.press("Shift+Enter")
+        expect(ghost).to_contain_text("mean = ", timeout=60_000)
+        streamed = ghost.inner_text()
+        page.keyboard.type("mean = ")
+        shows("mean = ", LONG_SUGGESTION.removeprefix("mean = "))
+        assert "print(mean, spread)" not in streamed, streamed
     finally:
         lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 

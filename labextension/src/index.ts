@@ -4,6 +4,7 @@
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { ICommandPalette } from '@jupyterlab/apputils';
+import { IEditorExtensionRegistry } from '@jupyterlab/codemirror';
 import { ICompletionProviderManager } from '@jupyterlab/completer';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
@@ -27,14 +28,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
   description: 'Runtime-aware next-cell and output prediction for notebooks.',
   autoStart: true,
   requires: [ICompletionProviderManager, INotebookTracker],
-  optional: [ISettingRegistry, ICommandPalette, ITranslator],
+  optional: [ISettingRegistry, ICommandPalette, ITranslator, IEditorExtensionRegistry],
   activate: async (
     app: JupyterFrontEnd,
     manager: ICompletionProviderManager,
     tracker: INotebookTracker,
     registry: ISettingRegistry | null,
     palette: ICommandPalette | null,
-    translator: ITranslator | null
+    translator: ITranslator | null,
+    extensions: IEditorExtensionRegistry | null
   ) => {
     translator = translator ?? nullTranslator;
     const trans = translator.load('jupyter_themisto');
@@ -42,7 +44,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     // First: the features below ask for predictions on the same `executed` signal, naming the
     // execution the service has just noted.
     service.followExecutions(tracker);
-    activateNextCell(service, manager, tracker, app.commands, translator);
+    activateNextCell(service, manager, tracker, app.commands, translator, extensions);
     activateOutputPrediction(service, tracker, app.commands, translator);
     activatePanel(app, service, tracker, translator);
 

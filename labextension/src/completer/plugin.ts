@@ -2,6 +2,9 @@
  * Wiring of the ghost-text feature: registers the provider and invokes it when a new empty code
  * cell becomes active after executions (JupyterLab never fires it on an empty line by itself).
  */
+import { Prec } from '@codemirror/state';
+import { EditorView, keymap } from '@codemirror/view';
+import { EditorExtensionRegistry, IEditorExtensionRegistry } from '@jupyterlab/codemirror';
 import { ICompletionProviderManager } from '@jupyterlab/completer';
 import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { Cell, ICodeCellModel } from '@jupyterlab/cells';
@@ -11,9 +14,12 @@ import { CommandRegistry } from '@lumino/commands';
 import { predictRoute } from '../common/predict';
 import { requestJSON } from '../common/request';
 import { ThemistoService } from '../common/service';
+import { Part } from './parts';
 import { NextCellProvider } from './provider';
 
 export const SUGGEST_COMMAND = 'themisto:suggest-next-cell';
+export const ACCEPT_WORD_COMMAND = 'themisto:accept-word';
+export const ACCEPT_LINE_COMMAND = 'themisto:accept-line';
 
 /** Whether the notebook has run any code (in this session or as saved). */
 function hasExecutions(panel: NotebookPanel): boolean {
@@ -35,7 +41,8 @@ export function activateNextCell(
   manager: ICompletionProviderManager,
   tracker: INotebookTracker,
   commands: CommandRegistry,
-  translator: ITranslator
+  translator: ITranslator,
+  extensions: IEditorExtensionRegistry | null
 ): NextCellProvider {
   const trans = translator.load('jupyter_themisto');
   const provider = new NextCellProvider({ service });
@@ -163,6 +170,65 @@ export function activateNextCell(
         manager.inline?.invoke(panel.id);
       }
     }
+  });
+
+  /** The active cell and the `part` of its ghost text that follows what the cell holds. */
+  const partOf = (part: Part) => {
+    const cell = tracker.currentWidget?.content.activeCell;
+    if (!cell?.editor) {
+      return null;
+    }
+    const source = cell.model.sharedModel.getSource();
+    const text = provider.nextPart(cell.model.id, source, part);
+    return text ? { editor: cell.editor, end: source.length, text } : null;
+  };
+  const acceptPart = (part: Part) => {
+    const panel = tracker.currentWidget;
+    const found = partOf(part);
+    const end = found?.editor.getPositionAt(found.end);
+    if (panel && found && end && found.editor.replaceSelection) {
+      // Typed in at the end, as if by hand; then asked again, since the completer drops its
+      // ghost text when the cursor goes to another line: the provider answers with the rest.
+      found.editor.setCursorPosition(end);
+      found.editor.replaceSelection(found.text);
+      manager.inline?.invoke(panel.id);
+    }
+  };
+  commands.addCommand(ACCEPT_WORD_COMMAND, {
+    label: trans.__('Themisto: Accept the Next Word of the Suggestion'),
+    caption: trans.__('Insert the ghost text up to its next word; the rest stays'),
+    describedBy: { args: { type: 'object', properties: {} } },
+    isEnabled: () => partOf('word') !== null,
+    execute: () => acceptPart('word')
+  });
+  commands.addCommand(ACCEPT_LINE_COMMAND, {
+    label: trans.__('Themisto: Accept the Next Line of the Suggestion'),
+    caption: trans.__('Insert the ghost text up to the end of its line; the rest stays'),
+    describedBy: { args: { type: 'object', properties: {} } },
+    isEnabled: () => partOf('line') !== null,
+    execute: () => acceptPart('line')
+  });
+  // Their keys go to the editor first: CodeMirror's own bindings (Alt+→ moves by syntax) take
+  // them before JupyterLab's shortcuts could. Elsewhere, or with no ghost text, they do what
+  // they always did.
+  const accept = (view: EditorView, command: string) => {
+    if (!view.dom.closest('.jp-mod-inline-completer-active') || !commands.isEnabled(command)) {
+      return false;
+    }
+    void commands.execute(command);
+    return true;
+  };
+  extensions?.addExtension({
+    name: 'jupyter-themisto:accept-parts',
+    factory: () =>
+      EditorExtensionRegistry.createImmutableExtension(
+        Prec.highest(
+          keymap.of([
+            { key: 'Alt-ArrowRight', run: view => accept(view, ACCEPT_WORD_COMMAND) },
+            { key: 'Mod-ArrowDown', run: view => accept(view, ACCEPT_LINE_COMMAND) }
+          ])
+        )
+      )
   });
   return provider;
 }

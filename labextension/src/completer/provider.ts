@@ -1,6 +1,8 @@
 /**
  * The next cell as ghost text: an inline completion provider answering in empty cells with the
- * backend's top suggestion, streamed, and cancelled when a newer request supersedes it.
+ * backend's top suggestion, streamed, and cancelled when a newer request supersedes it. Text
+ * typed or accepted a part at a time (a word, a line) that agrees with the suggestion keeps the
+ * rest of it as ghost text.
  */
 import {
   CompletionHandler,
@@ -13,6 +15,7 @@ import { NotebookPanel } from '@jupyterlab/notebook';
 
 import { ThemistoService } from '../common/service';
 import { IPredictionResult } from '../common/types';
+import { firstPart, Part } from './parts';
 
 export const PROVIDER_ID = '@jupyter-themisto/next-cell';
 
@@ -31,12 +34,20 @@ class TextStream {
     waiters.forEach(resolve => resolve());
   }
 
-  async *updates(): AsyncGenerator<{ response: IInlineCompletionItem }, undefined, unknown> {
+  /** The text as it grows, after `typed` (what the cell holds of it already). */
+  async *updates(
+    typed = ''
+  ): AsyncGenerator<{ response: IInlineCompletionItem }, undefined, unknown> {
     let sent = '';
     for (;;) {
       if (this.text !== sent || this.done) {
         sent = this.text;
-        yield { response: { insertText: sent, isIncomplete: !this.done } };
+        if (!sent.startsWith(typed)) {
+          // The model's answer replaced an early one that the cell began: it has no rest.
+          yield { response: { insertText: '', isIncomplete: false } };
+          return undefined;
+        }
+        yield { response: { insertText: sent.slice(typed.length), isIncomplete: !this.done } };
       }
       if (this.done) {
         return undefined;
@@ -67,12 +78,15 @@ export class NextCellProvider implements IInlineCompletionProvider {
     context: IInlineCompletionContext
   ): Promise<IInlineCompletionList> {
     const panel = context.widget;
-    // Only an empty cell is asking for the *next* cell; elsewhere other providers complete.
-    if (!(panel instanceof NotebookPanel) || request.text.trim() !== '') {
+    if (!(panel instanceof NotebookPanel) || !this._service.isActiveFor(panel)) {
       return { items: [] };
     }
-    if (!this._service.isActiveFor(panel)) {
-      return { items: [] };
+    const cell = panel.content.activeCell?.model.id ?? '';
+    // Only an empty cell is asking for the *next* cell; elsewhere other providers complete,
+    // but for text that begins the suggestion this cell shows: the rest of it stays.
+    if (request.text.trim() !== '') {
+      const atEnd = request.offset >= Array.from(request.text).length;
+      return atEnd ? this._rest(cell, request.text) : { items: [] };
     }
     this.cancel();
     const controller = new AbortController();
@@ -84,16 +98,9 @@ export class NextCellProvider implements IInlineCompletionProvider {
         return { items: [] };
       }
     }
-    const token = `themisto-${++this._counter}`;
     const stream = new TextStream();
-    this._streams.set(token, stream);
-    // A suggestion the completer never streamed (dismissed, superseded) is not kept for long.
-    for (const old of this._streams.keys()) {
-      if (this._streams.size <= MAX_STREAMS) {
-        break;
-      }
-      this._streams.delete(old);
-    }
+    const token = this._track(stream, '');
+    this._shown = { cell, stream };
     let first: () => void = () => undefined;
     const firstChunk = new Promise<void>(resolve => (first = resolve));
     const onUpdate = (result: IPredictionResult) => {
@@ -133,21 +140,67 @@ export class NextCellProvider implements IInlineCompletionProvider {
   async *stream(
     token: string
   ): AsyncGenerator<{ response: IInlineCompletionItem }, undefined, unknown> {
-    const stream = this._streams.get(token);
-    if (!stream) {
+    const found = this._streams.get(token);
+    if (!found) {
       return undefined;
     }
     try {
-      yield* stream.updates();
+      yield* found.stream.updates(found.typed);
     } finally {
       this._streams.delete(token);
     }
     return undefined;
   }
 
+  /**
+   * The first `part` of the suggestion shown in cell `cell` that follows `typed` (what the
+   * cell holds); '' when the cell holds anything else.
+   */
+  nextPart(cell: string, typed: string, part: Part): string {
+    const shown = this._shown;
+    if (!shown || shown.cell !== cell || !shown.stream.text.startsWith(typed)) {
+      return '';
+    }
+    return firstPart(shown.stream.text.slice(typed.length), part);
+  }
+
+  /**
+   * The rest of the suggestion shown in `cell` after `typed` (what the cell holds), streaming
+   * on while the suggestion does; no item when the cell holds anything else.
+   */
+  private _rest(cell: string, typed: string): IInlineCompletionList {
+    const shown = this._shown;
+    const text = shown?.stream.text ?? '';
+    if (!shown || shown.cell !== cell || !text.startsWith(typed) || text === typed) {
+      return { items: [] };
+    }
+    const rest = text.slice(typed.length);
+    if (shown.stream.done) {
+      return { items: [{ insertText: rest }] };
+    }
+    const token = this._track(shown.stream, typed);
+    return { items: [{ insertText: rest, isIncomplete: true, token }] };
+  }
+
+  /** A token for stream() to stream `stream` by, after `typed`. */
+  private _track(stream: TextStream, typed: string): string {
+    const token = `themisto-${++this._counter}`;
+    this._streams.set(token, { stream, typed });
+    // A suggestion the completer never streamed (dismissed, superseded) is not kept for long.
+    for (const old of this._streams.keys()) {
+      if (this._streams.size <= MAX_STREAMS) {
+        break;
+      }
+      this._streams.delete(old);
+    }
+    return token;
+  }
+
   private _service: ThemistoService;
   private _controller: AbortController | null = null;
-  private _streams = new Map<string, TextStream>();
+  private _streams = new Map<string, { stream: TextStream; typed: string }>();
+  /** The suggestion asked for last, and the cell it was asked for in (a cell's model id). */
+  private _shown: { cell: string; stream: TextStream } | null = null;
   private _counter = 0;
 }
 
