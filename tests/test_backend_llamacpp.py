@@ -542,6 +542,22 @@ def test_a_notebook_keeps_its_slot_and_a_new_one_takes_the_least_recently_used()
     assert model.slot_for("c") == b
 
 
+def test_what_the_cache_holds_of_a_prompt():
+    """A prompt the engine evaluated lately spares most of a new one that begins with half of
+    it; with runs of it shifted into place (`cache_reuse_tokens`), also of one whose window
+    dropped its oldest cells, as a long notebook's does."""
+    cells = [f"# %%\nstep_{i} = {i}\n" for i in range(10)]
+    model = SharedModel(None, 0.0)
+    model.remember("".join(cells[:8]))
+    grown = "".join(cells[:9])  # one cell more
+    slid = "".join(cells[3:10])  # the window dropped three cells and took a new one
+    other = "".join(cells[5:6] + cells[:3])  # its first half nowhere in what was evaluated
+    assert model.holds(grown) and model.holds(grown, shifted=True)
+    assert not model.holds(slid) and model.holds(slid, shifted=True)
+    assert not model.holds(other) and not model.holds(other, shifted=True)
+    assert not SharedModel(None, 0.0).holds(grown, shifted=True)  # nothing evaluated yet
+
+
 async def test_a_cold_prompt_is_answered_short_and_evaluated_whole_after(model_file, caplog):
     backend = llama(max_tokens=8, parallel=1, cold_prompt_tokens=60, prompt_cells=0)
     model = backend.shared()

@@ -151,10 +151,16 @@ class SharedModel:
             self._slot_of[notebook] = slot
             return slot
 
-    def holds(self, prompt: str) -> bool:
+    def holds(self, prompt: str, shifted: bool = False) -> bool:
         """Whether a recent prompt shares at least half of `prompt`'s beginning (so that the
-        engine's cache spares evaluating most of it)."""
-        return any(len(os.path.commonprefix([prompt, r])) * 2 >= len(prompt) for r in self.recent)
+        engine's cache spares evaluating most of it). `shifted`: the engine also moves runs of
+        a cached prompt into place, so a recent prompt that holds the first half further on
+        counts too (a long notebook's window that dropped its oldest cells)."""
+        half = prompt[: (len(prompt) + 1) // 2]
+        return any(
+            len(os.path.commonprefix([prompt, r])) * 2 >= len(prompt) or (shifted and half in r)
+            for r in self.recent
+        )
 
 
 _models: dict[Hashable, SharedModel] = {}

@@ -351,7 +351,8 @@ class LlamaCppPredictor(LocalModelPredictor):
         if not cold or cold >= self.settings.prompt_budget():
             return None  # (the whole prompt is no longer than a cold one)
         cold_chars = int(cold * CHARS_PER_TOKEN)
-        if len(prompt.prefix) <= cold_chars or model.holds(prompt.prefix):
+        shifted = bool(self.settings.cache_reuse_tokens)
+        if len(prompt.prefix) <= cold_chars or model.holds(prompt.prefix, shifted):
             return None
         return next_cell_prompt(ctx, self.prompt_options, self._fim(model), cold_chars)
 
