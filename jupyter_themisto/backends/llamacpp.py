@@ -140,7 +140,7 @@ class LlamaCppSettings(LocalModelSettings):
         ge=0,
         description="a next-cell prompt the engine's cache holds no beginning of (a notebook's"
         " first suggestion, or when the prompt's first cell moved) keeps only its newest cells"
-        " within this many tokens (e.g. 384), to be answered sooner; the whole prompt is"
+        " within this many tokens (e.g. 128), to be answered sooner; the whole prompt is"
         " evaluated after the answer, for the next one (0, the default, or not less than"
         " `max_prompt_tokens`: always the whole prompt; see README for what it changed)",
     )

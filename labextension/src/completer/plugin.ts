@@ -194,20 +194,29 @@ export function activateNextCell(
       manager.inline?.invoke(panel.id);
     }
   };
-  commands.addCommand(ACCEPT_WORD_COMMAND, {
-    label: trans.__('Themisto: Accept the Next Word of the Suggestion'),
-    caption: trans.__('Insert the ghost text up to its next word; the rest stays'),
-    describedBy: { args: { type: 'object', properties: {} } },
-    isEnabled: () => partOf('word') !== null,
-    execute: () => acceptPart('word')
-  });
-  commands.addCommand(ACCEPT_LINE_COMMAND, {
-    label: trans.__('Themisto: Accept the Next Line of the Suggestion'),
-    caption: trans.__('Insert the ghost text up to the end of its line; the rest stays'),
-    describedBy: { args: { type: 'object', properties: {} } },
-    isEnabled: () => partOf('line') !== null,
-    execute: () => acceptPart('line')
-  });
+  const parts: [string, Part, string, string][] = [
+    [
+      ACCEPT_WORD_COMMAND,
+      'word',
+      trans.__('Themisto: Accept the Next Word of the Suggestion'),
+      trans.__('Insert the ghost text up to its next word; the rest stays')
+    ],
+    [
+      ACCEPT_LINE_COMMAND,
+      'line',
+      trans.__('Themisto: Accept the Next Line of the Suggestion'),
+      trans.__('Insert the ghost text up to the end of its line; the rest stays')
+    ]
+  ];
+  for (const [command, part, label, caption] of parts) {
+    commands.addCommand(command, {
+      label,
+      caption,
+      describedBy: { args: { type: 'object', properties: {} } },
+      isEnabled: () => partOf(part) !== null,
+      execute: () => acceptPart(part)
+    });
+  }
   // Their keys go to the editor first: CodeMirror's own bindings (Alt+→ moves by syntax) take
   // them before JupyterLab's shortcuts could. Elsewhere, or with no ghost text, they do what
   // they always did.
