@@ -423,7 +423,7 @@ def test_typed_or_accepted_parts_keep_the_rest_of_the_suggestion(
         shows(f"{first}\nspread", f" = max(values) - min(values)\n{third}")
         page.keyboard.type(" = m")
         shows(f"{first}\nspread = m", f"ax(values) - min(values)\n{third}")
-        shot(page, "9-ghost-text-in-parts")
+        shot(page, "11-ghost-text-in-parts")
         page.keyboard.type("e")  # not what it says: no ghost text
         shows(f"{first}\nspread = me", None)
         page.keyboard.press("Backspace")
