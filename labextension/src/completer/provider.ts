@@ -157,11 +157,8 @@ export class NextCellProvider implements IInlineCompletionProvider {
    * cell holds); '' when the cell holds anything else.
    */
   nextPart(cell: string, typed: string, part: Part): string {
-    const shown = this._shown;
-    if (!shown || shown.cell !== cell || !shown.stream.text.startsWith(typed)) {
-      return '';
-    }
-    return firstPart(shown.stream.text.slice(typed.length), part);
+    const rest = this._restOf(cell, typed);
+    return rest ? firstPart(rest.text, part) : '';
   }
 
   /**
@@ -169,17 +166,25 @@ export class NextCellProvider implements IInlineCompletionProvider {
    * on while the suggestion does; no item when the cell holds anything else.
    */
   private _rest(cell: string, typed: string): IInlineCompletionList {
-    const shown = this._shown;
-    const text = shown?.stream.text ?? '';
-    if (!shown || shown.cell !== cell || !text.startsWith(typed) || text === typed) {
+    const rest = this._restOf(cell, typed);
+    if (!rest) {
       return { items: [] };
     }
-    const rest = text.slice(typed.length);
-    if (shown.stream.done) {
-      return { items: [{ insertText: rest }] };
+    if (rest.stream.done) {
+      return { items: [{ insertText: rest.text }] };
     }
-    const token = this._track(shown.stream, typed);
-    return { items: [{ insertText: rest, isIncomplete: true, token }] };
+    const token = this._track(rest.stream, typed);
+    return { items: [{ insertText: rest.text, isIncomplete: true, token }] };
+  }
+
+  /** The suggestion shown in `cell` and its text after `typed`; null if there is none. */
+  private _restOf(cell: string, typed: string): { stream: TextStream; text: string } | null {
+    const shown = this._shown;
+    if (!shown || shown.cell !== cell || !shown.stream.text.startsWith(typed)) {
+      return null;
+    }
+    const text = shown.stream.text.slice(typed.length);
+    return text ? { stream: shown.stream, text } : null;
   }
 
   /** A token for stream() to stream `stream` by, after `typed`. */
