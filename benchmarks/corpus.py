@@ -21,6 +21,7 @@ Other benchmark scripts import it:
 
     import corpus
     paths = corpus.notebooks()                      # materialized on first use
+    some = corpus.spread(6, min_cells=10)           # 6 notebooks from 6 repositories
     store = corpus.ensure_recorded(Path("/tmp/corpus.sqlite"))
     for held_out, rest in corpus.leave_one_out(keys): ...
     first, second = corpus.folds(keys, 2)
@@ -249,6 +250,34 @@ def _notebook_paths(manifest: dict[str, Any], dest: Path) -> list[Path]:
 def notebooks(dest: Path | None = None) -> list[Path]:
     """The corpus notebooks' paths, in manifest order, materialized first if need be."""
     return materialize(dest, quiet=True)
+
+
+def code_cells(path: Path) -> list[str]:
+    """The non-empty code cells' sources of a notebook file, in file order."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    sources = (
+        "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+        for c in nb.get("cells", [])
+        if c.get("cell_type") == "code"
+    )
+    return [s for s in sources if s.strip()]
+
+
+def spread(n: int, min_cells: int = 0, dest: Path | None = None) -> list[Path]:
+    """`n` corpus notebooks with at least `min_cells` non-empty code cells, spread over the
+    repositories: one from each in manifest order, then a second from each, and so on; within
+    a repository in the order of their keys' sha256 (fixed, and not always chapter one)."""
+    by_repo: dict[str, list[Path]] = {}
+    for path in notebooks(dest):
+        if len(code_cells(path)) >= min_cells:
+            by_repo.setdefault(repo_of(notebook_key(path, dest)), []).append(path)
+    queues = [sorted(ps, key=lambda p: _rank(notebook_key(p, dest))) for ps in by_repo.values()]
+    chosen: list[Path] = []
+    while len(chosen) < n and any(queues):
+        for queue in queues:
+            if queue and len(chosen) < n:
+                chosen.append(queue.pop(0))
+    return chosen
 
 
 def notebook_key(path: str | Path, dest: Path | None = None) -> str:

@@ -1,22 +1,29 @@
 """Ghost-text latency in a real browser: from a new empty cell becoming active to its ghost text.
 
 For each backend (`--backends`, default: retrieval, then llamacpp with the embedded code
-model), starts a `jupyter lab` with the extension and that default backend (a fresh store
-seeded with one earlier trajectory of `--cells` cells), opens a notebook in Debian's chromium
-through Playwright, and runs the same cells one by one with Shift+Enter. After each run past
-the first, the new empty cell becomes active and its ghost text appears; an in-page
-MutationObserver timestamps both. The figure includes waiting for the cell just run to be
-answered and recorded (the request names the execution it follows; the server answers once
+model), starts a `jupyter lab` with the extension and that default backend, opens a new
+notebook in Debian's chromium through Playwright, and runs cells one by one with Shift+Enter.
+After each run past the first, the new empty cell becomes active and its ghost text appears; an
+in-page MutationObserver timestamps both. The figure includes waiting for the cell just run to
+be answered and recorded (the request names the execution it follows; the server answers once
 that is recorded). Target: <= 300 ms.
 
-The earlier trajectory is the same cells with other names and numbers (`--history same`: the
-very same cells, which the history's continuation answers at once, without the model). With a
-model backend, a ghost text may first be the early answer (the retrieval backend's cell, sent
-when the model's first text is slower than `early_answer_ms`), then the model's suggestion: the
-script prints when the first ghost text appeared, and when the text that stayed began.
+The cells are those of real notebooks written by others (`--corpus N`, default 4: the first
+`--cells` code cells of N benchmark corpus notebooks from N repositories, `corpus.spread`; each
+new notebook sits in its folder of a copy of its repository, so the cells read their data
+files). The store starts empty, as a new user's does, unless `--store PATH` names a recorded
+corpus store (`corpus.py record`): its trajectories of the other corpus notebooks are the
+history. `--synthetic` runs short made-up cells instead (`x1 = 1 * 2`, …; a quick check
+whose figures count for nothing) with one earlier trajectory of the same cells with other
+names and numbers (`--history same`: the very same cells, which the history's continuation
+answers at once, without the model). With a model backend, a ghost text may first be the early
+answer (the retrieval backend's cell, sent when the model's first text is slower than
+`early_answer_ms`), then the model's suggestion: the script prints when the first ghost text
+appeared, and when the text that stayed began.
 
-    .venv/bin/python benchmarks/ghost_text_latency.py [--cells 12] [--backends retrieval,llamacpp]
-        [--history other|same] [--early-answer-ms MS]
+    .venv/bin/python benchmarks/ghost_text_latency.py [--corpus 4 | --synthetic] [--cells 12]
+        [--store PATH] [--backends retrieval,llamacpp] [--history other|same]
+        [--early-answer-ms MS]
 """
 
 from __future__ import annotations
@@ -25,12 +32,17 @@ import argparse
 import json
 import os
 import re
+import shutil
+import sqlite3
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,9 +60,23 @@ from tests.ui.lab import (  # noqa: E402
 )
 
 
+@dataclass
+class Session:
+    """Cells to run, one by one, in a new notebook in `folder` (relative to the lab's root)."""
+
+    name: str
+    folder: str
+    cells: list[str]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--corpus", type=int, default=4, metavar="N", help="N corpus notebooks (default 4)"
+    )
+    parser.add_argument("--synthetic", action="store_true", help="made-up cells instead")
     parser.add_argument("--cells", type=int, default=12, help="cells to run (default 12)")
+    parser.add_argument("--store", type=Path, help="a recorded corpus store: the history")
     parser.add_argument("--backends", default="retrieval,llamacpp")
     parser.add_argument("--history", choices=("other", "same"), default="other")
     parser.add_argument(
@@ -59,12 +85,66 @@ def main() -> None:
     add_option_flag(parser, "-o prompt_outputs=last")
     args = parser.parse_args()
     settings = parse_options(args.option)
-    cells = session(args.cells, "x", 2, "+")
-    earlier = cells if args.history == "same" else session(args.cells, "y", 3, "-")
     check_installed_build(ROOT)
+    repos: list[Path] = []
+    if args.synthetic:
+        cells = session(args.cells, "x", 2, "+")
+        earlier = cells if args.history == "same" else session(args.cells, "y", 3, "-")
+        sessions = [Session("synthetic", "", cells)]
+
+        def history(store: TrajectoryStore) -> None:
+            tid = store.create_trajectory(notebook_path="earlier.ipynb")
+            for source in earlier:
+                store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
+
+    else:
+        import corpus
+
+        dest = corpus.default_dest()
+        paths = corpus.spread(args.corpus, min_cells=args.cells)
+        sessions = []
+        for path in paths:
+            key = corpus.notebook_key(path)
+            repo = corpus.repo_dir(dest, corpus.repo_of(key))
+            repos.append(repo)
+            folder = path.parent.resolve().relative_to(dest.resolve())
+            sessions.append(Session(key, str(folder), corpus.code_cells(path)[: args.cells]))
+        measured = {str(p.resolve()) for p in paths}
+
+        def history(store: TrajectoryStore) -> None:
+            if args.store is not None:
+                copied = copy_history(args.store, store, measured)
+                print(f"history: {copied} executions of other corpus notebooks")
+
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+    print("notebooks:", ", ".join(s.name for s in sessions))
     for backend in args.backends.split(","):
-        measure(backend, cells, earlier, args.early_answer_ms, settings)
+        measure(backend, sessions, history, repos, args.early_answer_ms, settings)
+
+
+def copy_history(source: Path, store: TrajectoryStore, leave_out: set[str]) -> int:
+    """Copy the trajectories of a recorded store (sources, statuses, outputs) into `store`,
+    but those of the notebooks in `leave_out` (resolved paths); returns the executions."""
+    if not source.exists():
+        raise SystemExit(f"no store at {source}: record the corpus first (corpus.py record)")
+    uri = f"file:{source}?mode=ro"
+    with sqlite3.connect(uri, uri=True):
+        pass  # (fails clearly on something that is not an SQLite file)
+    src = TrajectoryStore(source)
+    copied = 0
+    try:
+        for t in src.list_trajectories():
+            path = t.get("notebook_path") or ""
+            if str(Path(path).resolve()) in leave_out:
+                continue
+            tid = store.create_trajectory(notebook_path=path)
+            for e in src.list_executions(t["trajectory_id"]):
+                record = {"source": e["source"], "status": e["status"], "outputs": e["outputs"]}
+                store.add_execution(tid, record)
+                copied += 1
+    finally:
+        src.close()
+    return copied
 
 
 def session(n: int, name: str, factor: int, op: str) -> list[str]:
@@ -102,8 +182,9 @@ def stayed_since(texts: list[list]) -> float:
 
 def measure(
     backend: str,
-    cells: list[str],
-    earlier: list[str],
+    sessions: list[Session],
+    history: Callable[[TrajectoryStore], None],
+    repos: list[Path],
     early_answer_ms: float | None,
     settings: dict[str, Any],
 ) -> None:
@@ -115,65 +196,62 @@ def measure(
     with tempfile.TemporaryDirectory() as tmp:
         lab = JupyterLab(Path(tmp), argv)
         lab.store_path.parent.mkdir(parents=True)
+        for repo in repos:
+            # (a copy: the cells may write files next to their data)
+            shutil.copytree(repo, lab.root / repo.name, symlinks=True, dirs_exist_ok=True)
         store = TrajectoryStore(lab.store_path)
-        tid = store.create_trajectory(notebook_path="earlier.ipynb")
-        for source in earlier:
-            store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
+        history(store)
         lab.start()
         latencies: list[float] = []
         stayed: list[float] = []  # when the ghost text that stayed began
         replaced = 0  # new cells whose first ghost text (an early answer) was replaced
-        texts: list[str] = []
+        shown: list[tuple[str, str]] = []  # (cell run, ghost text that stayed)
         misses = 0
         try:
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 page.set_default_timeout(60_000)
-                lab.new_notebook("bench.ipynb")
-                page.goto(lab.lab_url("bench.ipynb", "bench"))
-                expect(
-                    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-                ).to_have_count(1)
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    kid = lab.kernel_id("bench.ipynb")
-                    if kid and any(
-                        t["kernel_id"] == kid for t in store.list_trajectories(limit=10)
-                    ):
-                        break
-                    time.sleep(0.2)
-                for i, source in enumerate(cells):
-                    active = page.locator(".jp-Cell.jp-mod-active")
-                    active.locator(".cm-content").click()
-                    page.keyboard.press("Escape")  # dismiss ghost text before typing
-                    active.locator(".cm-content").click()
-                    page.keyboard.type(source)
-                    if i > 0:
-                        page.evaluate(GHOST_TIMING_JS)
-                        page.evaluate(GHOST_TEXTS_JS)
-                    page.keyboard.press("Shift+Enter")
-                    prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
-                    expect(prompt).to_have_text(re.compile(r"\[\d+\]"))
-                    if i == 0:
-                        continue
-                    try:
-                        page.wait_for_function(
-                            "() => window.__themistoTiming && window.__themistoTiming.ghostAt",
-                            timeout=5000,
-                        )
-                    except Exception:
-                        misses += 1
-                        continue
-                    t = page.evaluate("() => window.__themistoTiming")
-                    latencies.append(t["ghostAt"] - t["activeAt"])
-                    page.wait_for_timeout(6000)  # the whole suggestion (5 s at most)
-                    ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")
-                    texts.append(ghost.first.inner_text() if ghost.count() else "")
-                    seen = page.evaluate("() => window.__themistoGhostTexts")
-                    if seen:
-                        stayed.append(stayed_since(seen) - t["activeAt"])
-                        replaced += stayed[-1] > seen[0][0] - t["activeAt"]
+                for n, run in enumerate(sessions):
+                    name = f"{run.folder}/bench-{n}.ipynb" if run.folder else f"bench-{n}.ipynb"
+                    lab.new_notebook(quote(name))
+                    page.goto(lab.lab_url(quote(name), f"bench{n}"))
+                    expect(
+                        page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+                    ).to_have_count(1, timeout=60_000)
+                    wait_for_recorder(lab, store, name)
+                    for i, source in enumerate(run.cells):
+                        active = page.locator(".jp-Cell.jp-mod-active")
+                        active.locator(".cm-content").click()
+                        page.keyboard.press("Escape")  # dismiss ghost text before typing
+                        active.locator(".cm-content").click()
+                        # (inserted as a paste is: typed, the editor would indent each line)
+                        page.keyboard.insert_text(source)
+                        if i > 0:
+                            page.evaluate(GHOST_TIMING_JS)
+                            page.evaluate(GHOST_TEXTS_JS)
+                        page.keyboard.press("Shift+Enter")
+                        prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
+                        expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=180_000)
+                        if i == 0:
+                            continue
+                        try:
+                            page.wait_for_function(
+                                "() => window.__themistoTiming && window.__themistoTiming.ghostAt",
+                                timeout=5000,
+                            )
+                        except Exception:
+                            misses += 1
+                            continue
+                        t = page.evaluate("() => window.__themistoTiming")
+                        latencies.append(t["ghostAt"] - t["activeAt"])
+                        page.wait_for_timeout(6000)  # the whole suggestion (5 s at most)
+                        ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")
+                        shown.append((source, ghost.first.inner_text() if ghost.count() else ""))
+                        seen = page.evaluate("() => window.__themistoGhostTexts")
+                        if seen:
+                            stayed.append(stayed_since(seen) - t["activeAt"])
+                            replaced += stayed[-1] > seen[0][0] - t["activeAt"]
                 browser.close()
         finally:
             lab.stop()
@@ -191,8 +269,18 @@ def measure(
             f" {qs[-1]:.0f} ms; an early answer shown first and replaced in {replaced} of"
             f" {len(stayed)}"
         )
-    for source, text in list(zip(cells[1:], texts, strict=False))[:3]:
+    for source, text in shown[:3]:
         print(f"  after {source!r}: {text!r}")
+
+
+def wait_for_recorder(lab: JupyterLab, store: TrajectoryStore, notebook: str) -> None:
+    """Until the notebook's kernel has a trajectory (the recorder is on), 60 s at most."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kid = lab.kernel_id(notebook)
+        if kid and store.list_trajectories(kernel_id=kid, limit=1):
+            return
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ Targets (issue 11), on 2 cores: first chunk <= 300 ms when the notebook's prompt
 cached, <= 1.5 s cold; no suggestion over 5 s.
 
 1. In process, through LlamaCppPredictor (the default model, Qwen2.5-Coder-0.5B-Instruct), on
-   the benchmark notebooks' cells replayed as sessions: after each cell, the next-cell
-   suggestion for the cells so far, as the plugin asks for it.
+   real notebooks written by others (`--corpus N`, default 6: benchmark corpus notebooks from
+   N repositories, `corpus.spread`; `--own` takes the four small synthetic notebooks of
+   benchmarks/notebooks instead, a quick check whose figures count for nothing), their code
+   cells replayed as sessions: after each cell, the next-cell suggestion for the cells so
+   far, as the plugin asks for it.
    - *session*: the prefix up to the new cell is cached (the previous request's prompt);
    - *warmed*: the backend evaluated the prompt when the execution was recorded (`warm`);
    - *cold*: nothing of the prompt is cached (a first line unique to the request);
@@ -22,7 +25,7 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
 2. Through a real `jupyter server` with the extension and no backend configured (the default
    is the local model): the server's RSS, the first request against the later ones over HTTP.
 
-    .venv/bin/python benchmarks/local_model_latency.py [--notebooks N] [--cells 16] \
+    .venv/bin/python benchmarks/local_model_latency.py [--corpus N | --own] [--cells 12] \
         [-o model=qwen2.5-coder-1.5b] [--no-server]
 """
 
@@ -79,6 +82,16 @@ def context(sources: list[str], first_line: str | None = None) -> PredictionCont
 
 
 MISSES: list[str] = []
+
+
+def notebook_name(path: Path) -> str:
+    """'owner/name:path' for a corpus notebook, the file name for the synthetic ones."""
+    import corpus
+
+    try:
+        return corpus.notebook_key(path)
+    except ValueError:
+        return path.name
 
 
 def long_notebooks(n: int, cells: int) -> list[Path]:
@@ -204,7 +217,7 @@ async def cases(
             first, _, _ = await timed(backend, context(cells[:k], mark))
             warm_first.append(first)
     _, _, example = await timed(backend, context(notebook_cells(notebooks[0], 6)))
-    print(f"example suggestion after 6 cells of {notebooks[0].name}: {example!r}")
+    print(f"example suggestion after 6 cells of {notebook_name(notebooks[0])}: {example!r}")
     n = len(session_first)
     print(f"{n} suggestions per case over {len(notebooks)} notebooks (up to {n_cells} cells each)")
     print(f"first chunk, prefix cached (one new cell): {ms(session_first)}  (target <= 300 ms)")
@@ -255,8 +268,8 @@ async def generation_speed(backend: LlamaCppPredictor, model: Any, notebook: Pat
     print(f"generation: {statistics.median(runs):.0f} tokens/s (64 tokens, prompt cached)")
 
 
-async def through_server(repeat: int) -> None:
-    cells = notebook_cells(NOTEBOOKS[0], 12)
+async def through_server(notebook: Path, repeat: int) -> None:
+    cells = notebook_cells(notebook, 12)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         store_path = tmp / "trajectories.sqlite"
@@ -304,8 +317,11 @@ async def through_server(repeat: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--notebooks", type=int, default=len(NOTEBOOKS))
-    p.add_argument("--cells", type=int, default=16)
+    p.add_argument(
+        "--corpus", type=int, default=6, metavar="N", help="N corpus notebooks (default 6)"
+    )
+    p.add_argument("--own", action="store_true", help="the synthetic notebooks instead")
+    p.add_argument("--cells", type=int, default=12, help="code cells per notebook (default 12)")
     p.add_argument("--repeat", type=int, default=8)
     p.add_argument("--compare", action="store_true", help="also the backend as it was before")
     p.add_argument("--long", type=int, default=0, metavar="N", help="N long corpus notebooks")
@@ -321,9 +337,16 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print("== in process")
     long = long_notebooks(args.long, 40) if args.long else []
+    if args.own:
+        notebooks = NOTEBOOKS
+    else:
+        import corpus
+
+        notebooks = corpus.spread(args.corpus, min_cells=args.cells)
+    print("notebooks:", ", ".join(notebook_name(p) for p in notebooks))
     asyncio.run(
         in_process(
-            NOTEBOOKS[: args.notebooks],
+            notebooks,
             args.cells,
             long,
             args.compare,
@@ -335,7 +358,7 @@ def main() -> None:
     if args.no_server:
         return
     print("== through a jupyter server")
-    asyncio.run(through_server(args.repeat))
+    asyncio.run(through_server(notebooks[0], args.repeat))
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
