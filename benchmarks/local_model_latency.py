@@ -109,9 +109,31 @@ def long_notebooks(n: int, cells: int) -> list[Path]:
     return found
 
 
+#: When the engine's first text of the current request came (None: not yet), and the
+#: seconds from the request to it, per request: the first chunk minus this is the time a
+#: suggestion was held back (it could still turn out to be only comments, or the previous cell).
+ENGINE_FIRST: list[float | None] = [None]
+ENGINE_WAITS: list[float] = []
+
+
+def watch_engine(backend: LlamaCppPredictor) -> None:
+    """Note in ENGINE_FIRST when `backend`'s engine first answers a request with text."""
+    complete = backend._complete
+
+    async def noted(*args: Any, **kwargs: Any) -> Any:
+        async for piece in complete(*args, **kwargs):
+            if ENGINE_FIRST[0] is None and piece:
+                ENGINE_FIRST[0] = time.perf_counter()
+            yield piece
+
+    backend._complete = noted  # type: ignore[method-assign]
+
+
 async def timed(backend: LlamaCppPredictor, ctx: PredictionContext) -> tuple[float, float, str]:
     """First chunk and whole answer in seconds, and its text; no answer (the time limit) counts
-    as its whole time for both, and is listed in MISSES."""
+    as its whole time for both, and is listed in MISSES. The engine's first text (with
+    `watch_engine`) goes to ENGINE_WAITS."""
+    ENGINE_FIRST[0] = None
     start = time.perf_counter()
     first = None
     text = ""
@@ -123,6 +145,8 @@ async def timed(backend: LlamaCppPredictor, ctx: PredictionContext) -> tuple[flo
     except NoPrediction as e:
         MISSES.append(str(e))
     total = time.perf_counter() - start
+    if ENGINE_FIRST[0] is not None:
+        ENGINE_WAITS.append(ENGINE_FIRST[0] - start)
     # A cold answer warms the whole prompt after it: done before the next request, as a
     # person reads a suggestion before running the next cell.
     await backend.idle()
@@ -195,7 +219,10 @@ async def cases(
     # runs of tokens in the engine to reuse).
     settings = backend.settings.model_dump(exclude_unset=True)
     cold_backend = LlamaCppPredictor({**settings, "cache_reuse_tokens": 0}, backend.env)
+    watch_engine(backend)
+    watch_engine(cold_backend)
     session_first, session_total, warm_first, cold_first, cold_total = [], [], [], [], []
+    session_engine, cold_engine = [], []
     for path in notebooks:
         cells = notebook_cells(path, n_cells)
         # (a first line of this run's own: no earlier run's prompt is in the engine's cache)
@@ -203,13 +230,17 @@ async def cases(
         await timed(backend, context(cells[:2], run))
         for k in range(3, len(cells) + 1):
             # The person ran cell k: the prompt up to it is the previous one plus that cell.
+            before = len(ENGINE_WAITS)
             first, total, _ = await timed(backend, context(cells[:k], run))
             session_first.append(first)
             session_total.append(total)
+            session_engine += ENGINE_WAITS[before:]
             # Cold: a first line no earlier prompt had.
+            before = len(ENGINE_WAITS)
             first, total, _ = await timed(cold_backend, context(cells[:k], f"# {uuid.uuid4()}"))
             cold_first.append(first)
             cold_total.append(total)
+            cold_engine += ENGINE_WAITS[before:]
         # Again, each prompt evaluated ahead (as when the execution is recorded), then asked.
         mark = f"# {uuid.uuid4()}"
         for k in range(3, len(cells) + 1):
@@ -223,6 +254,8 @@ async def cases(
     print(f"first chunk, prefix cached (one new cell): {ms(session_first)}  (target <= 300 ms)")
     print(f"first chunk, prompt warmed ahead:          {ms(warm_first)}")
     print(f"first chunk, cold (nothing cached):        {ms(cold_first)}  (target <= 1500 ms)")
+    print(f"  the engine's first text, prefix cached:  {ms(session_engine)}")
+    print(f"  the engine's first text, cold:           {ms(cold_engine)}")
     print(f"whole suggestion, prefix cached:           {ms(session_total)}")
     print(f"whole suggestion, cold:                    {ms(cold_total)}")
     everything = session_total + cold_total
