@@ -198,6 +198,32 @@ def test_folds_and_leave_one_out_are_deterministic_and_disjoint():
         corpus.folds(keys, 1)
 
 
+def test_spread_takes_notebooks_from_each_repository_in_turn(tmp_path, monkeypatch):
+    dest = tmp_path / "dest"
+    counts = {"a/x": {"one": 5, "two": 1, "three": 4}, "b/y": {"four": 6}}
+    paths = []
+    for repo, notebooks in counts.items():
+        for name, n in notebooks.items():
+            cells = [new_code_cell(f"x = {i}") for i in range(n)] + [new_code_cell("  \n")]
+            path = dest / repo.replace("/", "__") / "nb" / f"{name}.ipynb"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(new_notebook(cells=cells), str(path))
+            paths.append(path)
+    monkeypatch.setattr(corpus, "notebooks", lambda dest=None: list(paths))
+    assert corpus.code_cells(paths[0]) == [f"x = {i}" for i in range(5)]  # blank cells left out
+
+    def keys(chosen):
+        return [corpus.notebook_key(p, dest) for p in chosen]
+
+    eligible_a = sorted(["a/x:nb/one.ipynb", "a/x:nb/three.ipynb"], key=corpus._rank)
+    # One from each repository, then a second round; too few cells: never.
+    assert keys(corpus.spread(2, 3, dest)) == [eligible_a[0], "b/y:nb/four.ipynb"]
+    assert keys(corpus.spread(10, 3, dest)) == [eligible_a[0], "b/y:nb/four.ipynb", eligible_a[1]]
+    assert keys(corpus.spread(10, 6, dest)) == ["b/y:nb/four.ipynb"]
+    assert len(corpus.spread(10, 0, dest)) == 4
+    assert corpus.spread(0, 0, dest) == []
+
+
 def test_record_then_stats_with_real_kernels(mirror, tmp_path):
     store = tmp_path / "corpus.sqlite"
     path = corpus.ensure_recorded(store, dest=mirror["dest"])
