@@ -89,6 +89,34 @@ def test_order_cell_ids_and_output_kinds(kernel):
         assert row["memory_peak"] >= min(row["memory_before"], row["memory_after"])
 
 
+def test_a_cell_that_runs_code_as_a_cell_is_one_execution(kernel):
+    """`get_ipython().run_cell(...)` and `%rerun` run code as a cell inside a cell: the
+    execution recorded is the outer cell, with all it showed, as the person saw it."""
+    before = len(kernel.executions())
+    outer = (
+        "print('outer start')\n"
+        "get_ipython().run_cell('inner = 5\\nprint(\"inner\")')\n"
+        "print('outer end')"
+    )
+    done = [
+        kernel.run(outer, "b"),
+        kernel.run("print('cell c')", "c"),
+        kernel.run("%rerun -l 1", "d"),
+    ]
+    rows = kernel.executions()[before:]
+    assert [(r["cell_id"], r["source"]) for r in rows] == [
+        ("b", outer),
+        ("c", "print('cell c')"),
+        ("d", "%rerun -l 1"),
+    ]
+    for row, d in zip(rows, done, strict=True):
+        shown = "".join(c["text"] for c in d.of("stream"))
+        assert "".join(o["text"] for o in row["outputs"]) == shown
+        assert row["execution_count"] == d.reply["execution_count"]
+    assert "outer start\ninner\nouter end" in rows[0]["outputs"][0]["text"]
+    assert "=== Executing: ===" in rows[2]["outputs"][0]["text"]
+
+
 def test_fd_level_output_and_per_cell_peak(kernel):
     done = kernel.run(
         "import os, time\nos.system('echo from a subprocess')\ntime.sleep(0.3)\n"
@@ -314,6 +342,106 @@ def test_unwritable_store_never_breaks_cells(tmp_path):
         k.shutdown()
     with pytest.raises(sqlite3.DatabaseError):
         TrajectoryStore(path, readonly=True).list_trajectories()
+
+
+def _kill(k: RecordingKernel) -> None:
+    """End the kernel as a crash or the OOM killer would: no clean-up of its own."""
+    try:
+        os.kill(k.km.provisioner.pid, signal.SIGKILL)
+        k.km.provisioner.process.wait(30)
+    finally:
+        k.kc.stop_channels()
+        k.km.cleanup_resources()
+
+
+def _sources(path) -> list[str]:
+    store = TrajectoryStore(path, readonly=True)
+    try:
+        return [
+            e["source"] for t in store.list_trajectories() for e in store.list_executions(t["id"])
+        ]
+    finally:
+        store.close()
+
+
+def test_a_removed_wal_loses_nothing(tmp_path):
+    """A cell (or a sync tool) removes the store's WAL: what it held was seen by this kernel
+    only and would go with it; the recorder puts it into the database and goes on."""
+    path = tmp_path / "store.sqlite"
+    k = RecordingKernel(path)
+    before = [f"a{i} = {i}" for i in range(3)]
+    remove = f"import os\nfor end in ('-wal', '-shm'): os.unlink({str(path)!r} + end)"
+    after = [f"b{i} = {i}" for i in range(3)]
+    try:
+        for code in before:
+            k.run(code)
+        k.settle()
+        k.run(remove)
+        assert not path.with_name(path.name + "-wal").exists()
+        for code in after:
+            k.run(code)
+        k.settle()
+        # Another reader (the server, an export) sees every execution, those before included.
+        assert _sources(path) == [*before, remove, *after]
+        status = k.run("%themisto status").of("stream")[0]["text"]
+        assert "lost_waiting: 0" in status and "WAL file was removed" in status
+    finally:
+        _kill(k)
+    store = TrajectoryStore(path, readonly=True)
+    assert store._conn().execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    store.close()
+    assert _sources(path)[:7] == [*before, remove, *after]
+
+
+def test_cells_after_the_store_was_deleted_are_recorded_in_a_new_one(tmp_path):
+    path = tmp_path / "store.sqlite"
+    k = RecordingKernel(path)
+    remove = f"import glob, os\nfor f in glob.glob({str(path)!r} + '*'): os.unlink(f)"
+    try:
+        k.run("a = 1")
+        k.settle()
+        k.run(remove)
+        for i in range(3):
+            k.run(f"b{i} = {i}")
+        k.settle()
+        status = k.run("%themisto status").of("stream")[0]["text"]
+        assert "lost_waiting: 0" in status
+        tid = status.split("trajectory_id: ")[1].split()[0]
+        store = TrajectoryStore(path, readonly=True)
+        (traj,) = store.list_trajectories()
+        # The same trajectory, created again in the new file, holds every cell run after.
+        assert traj["id"] == tid and traj["notebook_path"] == NOTEBOOK
+        rows = store.list_executions(tid)
+        assert [(r["source"], r["status"]) for r in rows if r["source"][0] == "b"] == [
+            (f"b{i} = {i}", "ok") for i in range(3)
+        ]
+        # The cell that removed it: written in the new file too, as run or as lost.
+        assert [r["status"] in ("ok", "lost") for r in rows if r["source"] == remove] == [True]
+        assert [r["order_index"] for r in rows] == sorted({r["order_index"] for r in rows})
+        store.close()
+    finally:
+        k.shutdown()
+
+
+def test_a_relative_store_stays_where_it_was_when_a_cell_changes_directory(tmp_path, monkeypatch):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    k = RecordingKernel(
+        tmp_path / "work" / "store.sqlite", ["--ThemistoRecorder.store_path=store.sqlite"]
+    )
+    try:
+        k.run("a = 1")
+        k.run(f"import os\nos.chdir({str(tmp_path / 'elsewhere')!r})")
+        k.run("b = 2")
+        k.settle()
+        assert _sources(tmp_path / "work" / "store.sqlite")[-2:] == [
+            f"import os\nos.chdir({str(tmp_path / 'elsewhere')!r})",
+            "b = 2",
+        ]
+        assert not list((tmp_path / "elsewhere").iterdir())
+    finally:
+        k.shutdown()
 
 
 def _shown(done):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +14,10 @@ from ..store import SCHEMA_VERSION, StoreError, TrajectoryStore, default_store_p
 
 
 def store_path(args: argparse.Namespace) -> Path:
-    return Path(args.store).expanduser() if args.store else default_store_path()
+    # (absolute: `record` hands it to kernels that run in the notebooks' own folders)
+    return (
+        Path(os.path.abspath(Path(args.store).expanduser())) if args.store else default_store_path()
+    )
 
 
 def open_store(args: argparse.Namespace, *, readonly: bool = True) -> TrajectoryStore:

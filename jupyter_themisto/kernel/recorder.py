@@ -192,6 +192,8 @@ class ThemistoRecorder(LoggingConfigurable):
         self.errors = 0
         self.last_error: str | None = None
         self._current: dict[str, Any] | None = None
+        # Cells running now: more than one while a cell runs code as a cell (`run_cell`).
+        self._depth = 0
         self._registered = False
         # Seconds the person waited on the recorder per execution (pre + post hooks), for
         # benchmarks/recording_overhead.py and `%themisto status`.
@@ -204,15 +206,25 @@ class ThemistoRecorder(LoggingConfigurable):
         self.secrets = KernelSecrets(self.secret_pattern)
         self._handler_patch: tuple[Any, Any, Any] | None = None
         self.owner: str | None = None
+        self._store_file: Path | None = None
         from .snapshot_manager import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
 
     @property
     def store_file(self) -> Path:
-        from ..store import default_store_path
+        """The store's absolute path, fixed when first asked for (as the recorder starts): a
+        cell that changes the working directory must not move the recording elsewhere."""
+        if self._store_file is None:
+            from ..store import default_store_path
 
-        return Path(self.store_path).expanduser() if self.store_path else default_store_path()
+            path = Path(self.store_path).expanduser() if self.store_path else default_store_path()
+            self._store_file = Path(os.path.abspath(path))
+        return self._store_file
+
+    @observe("store_path")
+    def _store_path_changed(self, change: Any) -> None:
+        self._store_file = None
 
     @property
     def store(self) -> Any:
@@ -395,6 +407,11 @@ class ThemistoRecorder(LoggingConfigurable):
             self._report("pre_execute failed", e)
 
     def pre_run_cell(self, info: Any) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            # A cell's own `run_cell` (`%rerun`, `get_ipython().run_cell(...)`): part of that
+            # cell, as the person sees it (its source, all its output), not an execution.
+            return
         # The previous execution's deferred work must finish before this cell changes anything
         # (its time counts in deferred_seconds, not here).
         self.flush_pending()
@@ -432,6 +449,10 @@ class ThemistoRecorder(LoggingConfigurable):
             self._report("pre_run_cell failed", e)
 
     def post_run_cell(self, result: Any) -> None:
+        # (never below 0: a cell that loads the recorder ends without having begun for it)
+        depth, self._depth = self._depth, max(0, self._depth - 1)
+        if depth > 1:
+            return
         entered = time.perf_counter()
         current, self._current = self._current, None
         if current is None:

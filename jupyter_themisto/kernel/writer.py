@@ -18,6 +18,12 @@ write and every `retry_seconds` while idle). A trajectory that could not be crea
 kernel started (the store could not be opened, or was locked past `locked_retry_seconds`) is
 retried the same way, so it exists before the person's first cell runs.
 
+A store whose file was deleted or replaced under it is reopened (a new file) with this
+kernel's trajectories created again, so that what runs after is recorded there (the
+execution that found it out as a `lost` row). A store whose WAL file alone was removed first
+has what this process committed checkpointed into the database, through the descriptors its
+connection still holds, and nothing is lost.
+
 `fork_lock` is held around every call the thread makes into SQLite: the kernel takes it to
 fork, so that no child inherits SQLite's internal mutexes half-held by the thread.
 """
@@ -54,6 +60,11 @@ class _Replaced(sqlite3.DatabaseError):
 _REPLACED = "file is not a database: the store's file was replaced or overwritten"
 
 
+class _Salvaged(Exception):
+    def __str__(self) -> str:
+        return "what this kernel wrote to it was saved into the store; recording goes on"
+
+
 class RecordWriter:
     """A daemon thread that owns the recorder's writes (see module doc)."""
 
@@ -82,6 +93,8 @@ class RecordWriter:
         # Trajectories to create before anything of theirs is written (their fields are read
         # on this thread: package versions and host facts take a moment).
         self._trajectories: dict[str, Callable[[], dict[str, Any]]] = {}
+        # The fields of the trajectories created: created again in a store that replaced theirs.
+        self._created: dict[str, dict[str, Any]] = {}
         self.written = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -204,10 +217,7 @@ class RecordWriter:
                 elif kind == "execution":
                     self._execution(*payload)
                 else:
-                    store = self._store()
-                    if store is not None and not store.intact():
-                        self._reopen()
-                        raise _Replaced(_REPLACED)
+                    store = self._unchanged_store()
                     if store is not None:
                         self._locked(partial(payload, store))
             except BaseException as e:  # noqa: B036 - the thread must go on
@@ -243,7 +253,22 @@ class RecordWriter:
                 self.last_error = f"cannot create the trajectory: {_describe(e)}"
                 return None
             del self._trajectories[tid]
+            self._created[tid] = fields
         return self.store
+
+    def _unchanged_store(self) -> Any:
+        """The open store (see `_store`) or None; raises _Replaced if its file was deleted or
+        replaced (closed then: the next write opens the file anew). A removed WAL costs
+        nothing: what it held is checkpointed into the database, and the store reopened."""
+        store = self._store()
+        if store is None or store.intact():
+            return store
+        salvaged = self._locked(store.salvage_wal)
+        self._reopen()
+        if not salvaged:
+            raise _Replaced(_REPLACED)
+        self._report("the store's WAL file was removed", _Salvaged())
+        return self._store()
 
     def _locked(self, call: Callable[[], Any]) -> Any:
         """Run a store call under fork_lock; a locked database is retried for a while."""
@@ -267,7 +292,13 @@ class RecordWriter:
         fallback: dict[str, Any],
     ) -> None:
         started = time.perf_counter()
-        store = self._store()
+        try:
+            store = self._unchanged_store()
+        except _Replaced as e:
+            # (this one is lost, written so in the new file; the next ones are recorded there)
+            self._lose(trajectory_id, order_index, fallback, e)
+            self.write_seconds.append(time.perf_counter() - started)
+            return
         if store is not None and self.lost:
             self._retry_lost()
         if store is None or self.lost:
@@ -275,10 +306,6 @@ class RecordWriter:
             self.failures += 1
             self._report("recording the execution failed", _Unwritable(reason))
             self._keep_lost(trajectory_id, order_index, fallback, reason)
-            return
-        if not store.intact():
-            self._lose(trajectory_id, order_index, fallback, _Replaced(_REPLACED))
-            self.write_seconds.append(time.perf_counter() - started)
             return
         try:
             record = prepare(lambda data: self._locked(partial(store.put_blob, data)))
@@ -332,8 +359,16 @@ class RecordWriter:
                 self._locked(
                     partial(store.add_execution, trajectory_id, row, order_index=order_index)
                 )
-            except sqlite3.IntegrityError:
-                pass  # that place is taken: the execution was written after all
+            except sqlite3.IntegrityError as e:
+                if store.execution_id(trajectory_id, order_index) is None:
+                    # Not a place taken (the execution written after all): its trajectory
+                    # is missing. Created again before the next try, if this writer knows it.
+                    self.last_error = f"the execution could not be written: {_describe(e)}"
+                    if trajectory_id in self._created:
+                        self._trajectories[trajectory_id] = partial(
+                            dict, self._created.pop(trajectory_id)
+                        )
+                    return
             except BaseException as e:  # noqa: B036
                 self.last_error = f"the execution could not be written: {_describe(e)}"
                 if _is_broken(e):
@@ -342,7 +377,14 @@ class RecordWriter:
             self.lost.popleft()
 
     def _reopen(self) -> None:
+        """Close the store; the next write opens the file anew and creates this kernel's
+        trajectories in it (already there, if the file is the same one: nothing happens)."""
         store, self.store = self.store, None
+        # (the kernel thread sets its busy timeout again on the new store's connection)
+        self._direct_threads.clear()
+        for tid, fields in self._created.items():
+            self._trajectories.setdefault(tid, partial(dict, fields))
+        self._created.clear()
         try:
             if store is not None:
                 store.close()

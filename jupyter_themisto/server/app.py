@@ -116,7 +116,8 @@ class ThemistoExtensionApp(ExtensionApp):
 
     def initialize_settings(self) -> None:
         assert self.serverapp is not None  # set by jupyter_server before this is called
-        path = self.store_path or str(default_store_path())
+        # (absolute: kernels run in the notebooks' folders, and record where the server reads)
+        path = os.path.abspath(os.path.expanduser(self.store_path or str(default_store_path())))
         # Kernels inherit the server's environment: they record where the server reads.
         self._previous_store_env = os.environ.get(STORE_ENV)
         self._store_env = os.environ[STORE_ENV] = path

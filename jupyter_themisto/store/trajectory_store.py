@@ -69,7 +69,8 @@ def default_store_path() -> Path:
     """`THEMISTO_STORE` if set, else `<jupyter data dir>/themisto/trajectories.sqlite`."""
     env = os.environ.get(STORE_ENV)
     if env:
-        return Path(env).expanduser()
+        # (absolute now: a process that changes its working directory keeps the same store)
+        return Path(os.path.abspath(Path(env).expanduser()))
     from jupyter_core.paths import jupyter_data_dir
 
     return Path(jupyter_data_dir()) / "themisto" / "trajectories.sqlite"
@@ -96,7 +97,10 @@ class TrajectoryStore:
         timeout: float = 30.0,
         migrate: bool = True,
     ) -> None:
-        self.path = Path(path).expanduser() if path is not None else default_store_path()
+        # Absolute: a kernel's cell may change the working directory under a relative path.
+        self.path = Path(
+            os.path.abspath(Path(path).expanduser() if path is not None else default_store_path())
+        )
         self.readonly = readonly
         self._timeout = timeout
         self._local = threading.local()
@@ -113,7 +117,12 @@ class TrajectoryStore:
         if not readonly and migrate:
             migrate_schema(conn)
         self._inode = self._file_inode()
+        self._wal_inode = self._file_inode(self._wal_path)  # (None: not in WAL mode)
         self._fd: int | None = None  # for intact(); never closed (see there)
+
+    @property
+    def _wal_path(self) -> Path:
+        return self.path.with_name(self.path.name + "-wal")
 
     # -- connections -------------------------------------------------------------------------
 
@@ -164,9 +173,9 @@ class TrajectoryStore:
             raise
         conn.execute("COMMIT")
 
-    def _file_inode(self) -> int | None:
+    def _file_inode(self, path: Path | None = None) -> int | None:
         try:
-            return os.stat(self.path).st_ino
+            return os.stat(path or self.path).st_ino
         except OSError:
             return None
 
@@ -183,7 +192,26 @@ class TrajectoryStore:
             same = os.fstat(self._fd).st_ino == os.stat(self.path).st_ino == self._inode
         except OSError:
             return False
-        return head == b"SQLite format 3\x00" and same
+        return head == b"SQLite format 3\x00" and same and self._wal_intact()
+
+    def _wal_intact(self) -> bool:
+        """The WAL this store's connections write is still the file beside the database: a
+        removed WAL keeps taking commits that no other connection sees, and that are gone
+        when this process ends unless `salvage_wal` put them into the database first."""
+        return self._wal_inode is None or self._file_inode(self._wal_path) == self._wal_inode
+
+    def salvage_wal(self) -> bool:
+        """When the database file is still the one opened but its WAL was removed (a cell's
+        clean-up, a sync tool): checkpoint what this process committed into the database
+        file, through the descriptors its connection still holds; True if that was done. The
+        store is to be reopened after (a new connection starts a new WAL)."""
+        if self.readonly or self._wal_intact() or self._file_inode() != self._inode:
+            return False
+        try:
+            self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error:
+            return False
+        return True
 
     def set_busy_timeout(self, seconds: float) -> None:
         """How long this thread's connection waits for another writer's lock (0: not at all)."""
