@@ -541,17 +541,44 @@ class DigestMatcher:
 
     def scrub(self, text: str) -> str:
         for value in sorted(self.find(text), key=len, reverse=True):
-            text = text.replace(value, REDACTED)
+            text = text.replace(value, _replacement(value))
         return text
 
 
 def _escaped_forms(value: str) -> list[str]:
-    """The value as it reads inside a repr or a JSON string (quotes, backslashes, newlines)."""
+    """The value as it reads inside a repr or a JSON string (quotes, backslashes, newlines),
+    and each of those escaped for HTML (a DataFrame's table, `HTML(html.escape(…))`)."""
     forms = [value]
     for escaped in (repr(value)[1:-1], json.dumps(value)[1:-1]):
         if escaped not in forms:
             forms.append(escaped)
+    for form in list(forms):
+        for escaped in _html_forms(form):
+            if escaped not in forms:
+                forms.append(escaped)
     return forms
+
+
+def _html_forms(text: str) -> list[str]:
+    """`text` as HTML writers escape it: pandas only & < >, `html.escape` its quotes too
+    (&quot; &#x27;), markupsafe (Jinja, a Styler) as &#34; &#39;."""
+    base = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return [
+        base,
+        base.replace('"', "&quot;").replace("'", "&#x27;"),
+        base.replace('"', "&#34;").replace("'", "&#39;"),
+    ]
+
+
+# A value found HTML-escaped stands in HTML: its replacement is escaped too, so that it reads
+# "<redacted>" there instead of opening an unknown tag that swallows what follows.
+_HTML_REDACTED = _html_forms(REDACTED)[0]
+_HTML_ENTITY = re.compile(r"&(?:amp|lt|gt|quot|#x27|#39|#34);")
+
+
+def _replacement(found: str) -> str:
+    """What replaces a secret form found in a text: "<redacted>", escaped if the form is."""
+    return _HTML_REDACTED if _HTML_ENTITY.search(found) else REDACTED
 
 
 def _has_space(value: str) -> bool:
@@ -628,7 +655,7 @@ class KernelSecrets:
             self.learn(value.strip())
         if not MIN_SECRET_VALUE_LEN <= len(value) <= MAX_SECRET_VALUE_LEN:
             return False
-        if value in self.values or value == REDACTED:
+        if value in self.values or value in (REDACTED, _HTML_REDACTED):
             return False
         self.values.add(value)
         self._new.append(value)
@@ -713,7 +740,7 @@ class KernelSecrets:
             self.learn_all(found)
         for form in self._forms:
             if form in text:
-                text = text.replace(form, REDACTED)
+                text = text.replace(form, _replacement(form))
         if self.matcher:
             text = self.matcher.scrub(text)
         return text

@@ -3,12 +3,14 @@ followed in the kernel, keyed hashes in the store, what the server and exports s
 
 from __future__ import annotations
 
+import html
 import json
 import multiprocessing
 import os
 import pickle
 import stat
 
+import markupsafe
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -341,6 +343,29 @@ def test_values_persist_as_keyed_hashes_and_the_server_follows_them(tmp_path):
 def store_row(path, eid):
     with TrajectoryStore(path, readonly=True) as s:
         return s.get_execution(eid)
+
+
+def test_html_escaped_values_are_followed_and_replaced_in_html(tmp_path):
+    value = "p&ss<w0rd>42\"q'x"
+    # pandas (& < > only), html.escape (&quot; &#x27;), Jinja's markupsafe (&#34; &#39;)
+    escaped = [html.escape(value, quote=False), html.escape(value), str(markupsafe.escape(value))]
+    page = "".join(f"<td>{e}</td>" for e in escaped)
+    scrubbed = "<td>&lt;redacted&gt;</td>" * 3
+    path = tmp_path / "t.sqlite"
+    store = TrajectoryStore(path)
+    ks = KernelSecrets()
+    ks.observe({"password": value}, "")
+    assert ks.scrub(page) == scrubbed and ks.scrub(value) == REDACTED
+    assert ks.stub_reason(escaped[1]) == SECRET_VALUE_REASON
+    assert ks.stub_reason(data=pickle.dumps([escaped[0]])) == SECRET_VALUE_REASON
+    # The server and the exports follow them by hash, and replace them the same way.
+    ks.persist(store, None)
+    store.close()
+    server = StoreRedactor(TrajectoryStore(path, readonly=True))
+    server.refresh()
+    assert server.scrub_text(page) == scrubbed
+    assert server.scrub_text(f"v = '{value}'") == f"v = '{REDACTED}'"
+    assert server.blob_holds_secret(pickle.dumps({"x": escaped[2]}))
 
 
 def test_a_value_learnt_late_is_scrubbed_from_earlier_rows_and_the_file(tmp_path):

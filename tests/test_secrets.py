@@ -6,6 +6,7 @@ with full snapshots, and the requests a (loopback) model server receives."""
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import logging
@@ -199,3 +200,53 @@ def test_ordinary_keys_and_tokens_are_not_followed(store_path):
         assert variables[name]["blob_hash"], name
     assert "svc-planted-0007" not in recorded
     assert variables["x"]["stub_reason"] == SECRET_VALUE_REASON
+
+
+# & < > " ': a table escapes the first three, html.escape the quotes too.
+HTML_SECRET = "p&ss<w0rd>42\"q'x"
+HTML_CELLS = [
+    "import html\nimport pandas as pd\nfrom IPython.display import HTML, display",
+    f"password = {HTML_SECRET!r}",
+    "pd.DataFrame({'c': [password]})",
+    "display(HTML(html.escape(password)))\nescaped = html.escape(password, quote=False)",
+]
+
+
+def test_a_secret_escaped_for_html_leaks_nowhere(store_path, tmp_path):
+    kernel = RecordingKernel(store_path)
+    try:
+        for i, code in enumerate(HTML_CELLS):
+            mid = kernel.send(code, cell_id=f"html-{i}")
+            assert kernel.collect(mid).reply["status"] == "ok"
+            kernel.wait_snapshot(mid)
+        rows = kernel.executions()
+        with TrajectoryStore(store_path, readonly=True) as store:
+            variables = {v["name"]: v for v in store.get_variables(rows[-1]["id"])}
+        kernel.settle()
+    finally:
+        kernel.shutdown()
+    forms = {HTML_SECRET, html.escape(HTML_SECRET, quote=False), html.escape(HTML_SECRET)}
+    forms |= {json.dumps(f)[1:-1] for f in forms}  # as the JSON files write them
+
+    def html_leaks(data: bytes | str) -> list[str]:
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+        return [f for f in forms if f in text]
+
+    # The table and the page still read "<redacted>" where the value was.
+    table = rows[2]["outputs"][0]["data"]
+    assert "<td>&lt;redacted&gt;</td>" in table["text/html"] and REDACTED in table["text/plain"]
+    assert rows[3]["outputs"][0]["data"]["text/html"] == "&lt;redacted&gt;"
+    assert html_leaks(json.dumps(rows, ensure_ascii=False)) == []
+    assert variables["escaped"]["stub_reason"] == SECRET_VALUE_REASON
+    for f in store_path.parent.iterdir():
+        if f.is_file() and not f.name.endswith(".key"):
+            assert html_leaks(f.read_bytes()) == [], f.name
+
+    out = tmp_path / "dump"
+    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
+    assert done.returncode == 0, done.stderr
+    exported = (out / "executions.jsonl").read_text()
+    assert "&lt;redacted&gt;" in exported and html_leaks(exported) == []
+    for f in out.rglob("*"):
+        if f.is_file():
+            assert html_leaks(f.read_bytes()) == [], f

@@ -623,6 +623,54 @@ def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_pa
         k.shutdown()
 
 
+def test_a_reducer_registered_with_copyreg_never_runs_in_the_kernel(tmp_path):
+    """`copyreg.pickle(P, red)` makes every pickler call `red` for P's instances: neither a P
+    nor a list holding one is pickled by the kernel itself (a child does it), while values
+    that the standard library's own reducers pickle (complex, re.Pattern) still are."""
+    marker = tmp_path / "reduced-by.txt"
+    k = RecordingKernel(
+        tmp_path / "copyreg.sqlite",
+        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=5"],
+    )
+    try:
+        kernel_pid = _recorder_value(k, ".pid")
+        k.run("import copyreg, os, re")
+        k.settle()
+        _wait_for(lambda: _recorder_value(k, ".snapshots.running()") == 0)
+        k.run(
+            "calls = []\n"
+            "class P:\n"
+            "    pass\n"
+            "def red(o):\n"
+            "    calls.append(os.getpid())\n"
+            f"    open({str(marker)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+            "    print('REDUCER RAN')\n"
+            "    return (P, ())\n"
+            "copyreg.pickle(P, red)"
+        )
+        _wait_for(lambda: _recorder_value(k, ".snapshots.running()") == 0)
+        forks = _recorder_value(k, ".snapshots.counts.get('fork', 0)")
+        small = _recorder_value(k, ".snapshots.counts.get('small', 0)")
+        plain = k.run("z = 3 + 4j\npat = re.compile('a+')")
+        alone = k.run("p = P()")
+        held = k.run("q = [P(), 1]")
+        v = k.variables(held.msg_id)
+        assert k.variables(alone.msg_id)["p"]["blob_hash"] and v["q"]["blob_hash"]
+        with k.store() as store:
+            assert store.get_snapshot(k.execution(plain.msg_id)["id"])["mode"] == "inline"
+        assert v["z"]["summary"]["repr"] == "(3+4j)" and v["pat"]["blob_hash"]
+        assert k.value("calls") == []
+        pids = set(map(int, marker.read_text().split()))
+        assert pids and kernel_pid not in pids
+        assert all(
+            "REDUCER RAN" not in str(k.execution(e.msg_id)["outputs"]) for e in (alone, held)
+        )
+        assert _recorder_value(k, ".snapshots.counts.get('small', 0)") == small + 1
+        assert _recorder_value(k, ".snapshots.counts.get('fork', 0)") == forks + 2
+    finally:
+        k.shutdown()
+
+
 def test_an_inline_snapshot_waits_for_another_process_writing(tmp_path):
     """Kernels recording side by side (`jupyter themisto record`, inline snapshots): a write
     lock held by another process while a snapshot is being written is waited for; the snapshot

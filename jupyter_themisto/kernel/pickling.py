@@ -12,11 +12,13 @@ soon as the output passes the bound) and a time bound (SIGALRM, main thread only
 
 `small_value` says what the kernel may snapshot itself (small_snapshot_seconds): scalars,
 strings, small containers of them, arrays and plain frames under 1 MB, functions, plain
-instances of the person's classes — values whose serialization runs none of the person's code.
+instances of the person's classes — values whose serialization runs none of the person's code
+(a reducer they registered with `copyreg.pickle` included: every pickler calls it).
 """
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 import signal
@@ -26,7 +28,7 @@ import threading
 import types
 from typing import Any
 
-from ..references import inspectable, library_class, library_reference
+from ..references import _library_code, inspectable, library_class, library_reference
 from .variables import estimated_size
 
 
@@ -141,7 +143,8 @@ class _BoundedSink:
 
 class _KernelPickler(_GuardedPickler):
     """What the kernel pickles itself (strict): only builtin and library objects, and plain
-    instances of the person's classes (object's own reduction): no code of theirs runs."""
+    instances of the person's classes (object's own reduction), none of whose types copyreg
+    hands to a reducer of theirs: no code of theirs runs."""
 
     def reducer_override(self, obj: Any) -> Any:
         result = super().reducer_override(obj)
@@ -158,10 +161,33 @@ def kernel_may_pickle(obj: Any) -> bool:
     plain class of the person's (see small_value)."""
     t = type(obj)
     if not t.__flags__ & (1 << 9) or t.__name__ in _CYTHON_TYPES:
-        return True  # not a heap type, or Cython's own (pandas' functions): C code
-    return inspectable(obj) and (
-        library_class(t) or (t.__module__ == "__main__" and _plain_class(t))
+        # Not a heap type, or Cython's own (pandas' functions): C code, unless copyreg hands
+        # it to a reducer of the person's (`copyreg.pickle(datetime.date, f)`).
+        return not _reducer_of_theirs(t)
+    return (
+        inspectable(obj)
+        and not _reducer_of_theirs(t)
+        and (library_class(t) or (t.__module__ == "__main__" and _plain_class(t)))
     )
+
+
+def _reducer_of_theirs(t: type) -> bool:
+    """True if copyreg holds a reducer for `t` (`copyreg.pickle(t, f)`) other than a library's
+    own for a library's or a builtin type (the standard library's for complex and re.Pattern,
+    NumPy's for ufuncs): every pickler calls it, in place of the class's own reduction. Looks
+    `t` up by its hash: callers first make sure no metaclass of the person's hashes it (a C
+    type, `type(t) is type`, or an inspectable instance's type)."""
+    reducer = copyreg.dispatch_table.get(t)
+    return reducer is not None and not _library_reducer(t, reducer)
+
+
+def _library_reducer(t: type, reducer: Any) -> bool:
+    return type(reducer) is types.FunctionType and _library_code(reducer) and library_class(t)
+
+
+def _reducers_of_theirs() -> bool:
+    """True if copyreg holds any reducer of the person's (see _reducer_of_theirs)."""
+    return not all(_library_reducer(t, r) for t, r in tuple(copyreg.dispatch_table.items()))
 
 
 def serialize(value: Any, *, max_bytes: int, strict: bool = False) -> tuple[bytes, str]:
@@ -243,8 +269,10 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     if seen[0] > _SMALL_LEN or depth > 4:
         return False
     t = type(value)
-    if value is None or t in (bool, int, float, complex):
+    if value is None or t in (bool, int, float):
         return True
+    if t is complex:
+        return not _reducer_of_theirs(t)  # pickled through copyreg's table
     if library_reference(value) is not None:
         return True  # a reference to a library's function or class (references.py)
     if not inspectable(value):
@@ -263,6 +291,11 @@ def small_value(value: Any, seen: list[int] | None = None, depth: int = 0) -> bo
     if refusal(value):
         return True  # a stub: its type and a short repr
     module = t.__module__ or ""
+    if module.startswith(("numpy", "pandas")) and _reducers_of_theirs():
+        # Their pickles meet internal objects of many types, any of which copyreg may hand to a
+        # reducer of the person's: pickled strictly (kernel_may_pickle meets each one), or by a
+        # child.
+        return False
     if module.startswith("numpy"):
         size = estimated_size(value)
         dtype = getattr(value, "dtype", None)
@@ -317,6 +350,7 @@ def _plain_class(t: type, *, library_repr: bool = False) -> bool:
     a __repr__ of its own if `library_repr`: a library class's)."""
     return (
         type(t) is type  # no metaclass (its attribute lookup could run anything): first
+        and not _reducer_of_theirs(t)
         and t.__reduce_ex__ is object.__reduce_ex__
         and t.__reduce__ is object.__reduce__
         and getattr(t, "__getstate__", None) is getattr(object, "__getstate__", None)
