@@ -169,6 +169,12 @@ def test_record_runs_each_notebook_in_its_own_folder(tmp_path):
         "b": [f"{tmp_path.resolve() / 'b'}\n", "beta\n"],
     }
     assert not (elsewhere / "data.txt").exists() and list(elsewhere.iterdir()) == []
+    # A relative --store is the working directory's, not the notebook folder's the kernel runs in.
+    r = cli("record", "../a/nb.ipynb", "--store", "rel.sqlite", cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert (elsewhere / "rel.sqlite").exists() and not (tmp_path / "a" / "rel.sqlite").exists()
+    rel = TrajectoryStore(elsewhere / "rel.sqlite", readonly=True)
+    assert [t["n_executions"] for t in rel.list_trajectories()] == [2]
 
 
 def test_export_jsonl_field_by_field(recorded, dump):
@@ -715,6 +721,55 @@ def test_export_migrates_a_store_of_an_older_schema(tmp_path):
     assert [(v["name"], v["type"]) for v in rows[0]["variables"]] == [("x", "int")]
     assert "old.ipynb" in cli("list", store=store).stdout
     assert "print(x)" in cli("show", "old1", store=store).stdout
+
+
+def test_export_writes_lone_surrogates_an_older_store_holds_as_u_fffd(tmp_path):
+    """Stores recorded before the recorder replaced lone surrogates hold them (a file name that
+    is not UTF-8, printed): the export writes each as the frontend showed it, U+FFFD, as valid
+    UTF-8 JSON, in both formats, instead of failing for the whole store."""
+    store_path = tmp_path / "old.sqlite"
+    outputs = [
+        {"output_type": "stream", "name": "stdout", "text": "caf\udce9.csv\nx\ud800y\n"},
+        {
+            "output_type": "display_data",
+            "data": {"text/plain": "p\udc80q", "application/json": {"k\udc81": ["v\udc82"]}},
+            "metadata": {},
+        },
+        {"output_type": "error", "ename": "OSError", "evalue": "bad \udc80", "traceback": ["t"]},
+    ]
+    expected = [
+        {"output_type": "stream", "name": "stdout", "text": "caf\ufffd.csv\nx\ufffdy\n"},
+        {
+            "output_type": "display_data",
+            "data": {"text/plain": "p\ufffdq", "application/json": {"k\ufffd": ["v\ufffd"]}},
+            "metadata": {},
+        },
+        {"output_type": "error", "ename": "OSError", "evalue": "bad \ufffd", "traceback": ["t"]},
+    ]
+    with TrajectoryStore(store_path) as store:
+        tid = store.create_trajectory(notebook_path="old.ipynb")
+        store.add_execution(tid, {"source": "import os", "status": "ok"})
+        store.add_execution(tid, {"source": "ls()", "status": "error", "outputs": outputs})
+    for fmt in ("jsonl", "parquet"):
+        out = tmp_path / f"dump-{fmt}"
+        r = cli("export", "--out", str(out), "--format", fmt, store=store_path)
+        assert r.returncode == 0, r.stderr
+        if fmt == "jsonl":
+            lines = (out / "executions.jsonl").read_bytes().decode("utf-8").splitlines()
+            rows = [json.loads(line) for line in lines]
+            text = (out / "output.jsonl").read_bytes().decode("utf-8")
+            tasks = [json.loads(line) for line in text.splitlines()]
+        else:
+            rows = pd.concat(
+                [pd.read_parquet(p) for p in sorted(out.glob("executions-*.parquet"))]
+            ).to_dict("records")
+            tasks = pd.concat(
+                [pd.read_parquet(p) for p in sorted(out.glob("output-*.parquet"))]
+            ).to_dict("records")
+        assert json.loads(rows[1]["outputs"]) == expected, fmt
+        assert "caf\ufffd.csv\nx\ufffdy\n" in rows[1]["output_text"]
+        assert "p\ufffdq" in rows[1]["output_text"]
+        assert [t["target"] for t in tasks] == [rows[1]["output_text"]]
 
 
 def test_evaluate_backend_failures_are_recorded_and_retried(dump, tmp_path):

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jupyter_themisto.kernel.outputs import resolve_blob_refs
+from jupyter_themisto.kernel.outputs import as_sent, resolve_blob_refs
 
 from .recorder_kernel import kernel_fixture
 
@@ -196,6 +197,69 @@ def test_values_no_frontend_could_get_become_stubs_and_the_row_stays(kernel):
     # The kernel and the recorder go on.
     after = kernel.run("21 * 2")
     assert kernel.execution(after.msg_id)["outputs"][0]["data"]["text/plain"] == "42"
+
+
+def test_lone_surrogates_are_recorded_as_the_frontend_got_them(kernel, tmp_path):
+    """A lone surrogate (os.listdir's for each byte of a file name that is not UTF-8) reaches
+    the frontend as U+FFFD (jupyter_client packs it as that byte, its receiver decodes with
+    replacement): stream text, display data (text and JSON values, keys too) and an error are
+    recorded as the client here received them, never with the surrogate."""
+    folder = tmp_path / "latin1"
+    folder.mkdir()
+    with open(os.path.join(os.fsencode(folder), b"caf\xe9.csv"), "wb"):
+        pass
+    done = kernel.run(f"import os\nfor f in os.listdir({str(folder)!r}): print(f)")
+    row = kernel.execution(done.msg_id)
+    sent = "".join(c["text"] for c in done.of("stream"))
+    assert sent == "caf\ufffd.csv\n"
+    assert row["outputs"] == [{"output_type": "stream", "name": "stdout", "text": sent}]
+
+    # Escaped bytes that spell a character together arrive as that character.
+    done = kernel.run("print('x\\udc80y', 'e\\udcc3\\udca9f')")
+    row = kernel.execution(done.msg_id)
+    sent = "".join(c["text"] for c in done.of("stream"))
+    assert sent == "x\ufffdy e\xe9f\n"
+    assert row["outputs"] == [{"output_type": "stream", "name": "stdout", "text": sent}]
+
+    done = kernel.run(
+        "display({'text/plain': 'p\\udc80q', 'text/html': '<b>\\udcff</b>',"
+        " 'application/json': {'k\\udc81': ['v\\udc82w', 1]}}, raw=True)"
+    )
+    row = kernel.execution(done.msg_id)
+    (sent,) = done.of("display_data")
+    assert sent["data"] == {
+        "text/plain": "p\ufffdq",
+        "text/html": "<b>\ufffd</b>",
+        "application/json": {"k\ufffd": ["v\ufffdw", 1]},
+    }
+    assert [(o["output_type"], o["data"], o["metadata"]) for o in row["outputs"]] == [
+        ("display_data", sent["data"], sent["metadata"])
+    ]
+    done = kernel.run("type('R', (), {'__repr__': lambda self: 'r\\udc80s'})()")
+    row = kernel.execution(done.msg_id)
+    (sent,) = done.of("execute_result")
+    assert sent["data"] == {"text/plain": "r\ufffds"}
+    assert [(o["output_type"], o["data"]) for o in row["outputs"]] == [
+        ("execute_result", sent["data"])
+    ]
+
+    done = kernel.run("raise ValueError('bad\\udc80value')")
+    row = kernel.execution(done.msg_id)
+    (sent,) = done.of("error")
+    assert sent["evalue"] == "bad\ufffdvalue"
+    assert row["outputs"] == [{"output_type": "error", **sent}]
+    # Strict UTF-8 JSON, as an export writes it.
+    json.dumps(row["outputs"], ensure_ascii=False).encode("utf-8")
+
+
+def test_as_sent_replaces_only_lone_surrogates():
+    assert as_sent("plain") == "plain" and as_sent("h\xe9llo \U0001f600") == "h\xe9llo \U0001f600"
+    assert as_sent("caf\udce9.csv") == "caf\ufffd.csv"
+    # Escaped bytes that spell UTF-8 are sent as that character.
+    assert as_sent("\udcc3\udca9") == "\xe9"
+    # Surrogates surrogateescape cannot send (the kernel's send fails): U+FFFD each.
+    assert as_sent("a\ud800b\udfff\udc7f") == "a\ufffdb\ufffd\ufffd"
+    assert as_sent("\ud83d\ude00") == "\ufffd\ufffd"  # a pair split into two lone ones
 
 
 # -- a property test: whatever the payload, the execution is recorded faithfully --------------

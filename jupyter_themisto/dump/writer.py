@@ -3,6 +3,10 @@ secrets policy, jupyter_themisto.redaction), the trajectories, the notebooks' ce
 instances, as JSON Lines or Parquet shards, with the manifest, the JSON schema and the dataset
 card. The folder is built under a temporary name and renamed when complete; its files and
 folders get the modes the umask gives.
+
+Every string is written as valid UTF-8: a lone surrogate, which outputs in a store recorded
+before the recorder replaced them may hold, is written as the frontend showed it, U+FFFD
+(`kernel.outputs.as_sent`), rather than failing the export.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from .._version import __version__
 from ..console import progress
 from ..context import outputs_to_text
 from ..files import atomic_dir, write_json
+from ..kernel.outputs import as_sent
 from .schema import (
     BLOB_KEY,
     DEFAULT_SHARD_ROWS,
@@ -31,6 +36,17 @@ from .schema import (
     json_schema,
     notebook_cell_id,
 )
+
+
+def _encodable(value: Any) -> Any:
+    """A row value (strings, nested lists and dicts) with every string `as_sent`."""
+    if isinstance(value, str):
+        return as_sent(value)
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encodable(v) for v in value]
+    return value
 
 
 def _blob_refs(outputs: Iterable[dict[str, Any]]) -> list[str]:
@@ -201,9 +217,12 @@ class _TableWriter:
     def write(self, row: dict[str, Any]) -> None:
         self.count += 1
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+            # ensure_ascii=False leaves a lone surrogate as it is, inside a JSON string:
+            # replacing it there keeps the line valid JSON (and valid UTF-8).
+            line = as_sent(json.dumps(row, ensure_ascii=False, default=str))
+            self._jsonl.write(line + "\n")
             return
-        self.buffer.append(row)
+        self.buffer.append(_encodable(row))
         if len(self.buffer) >= self.shard_rows:
             self._flush()
 

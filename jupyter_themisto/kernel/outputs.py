@@ -26,6 +26,12 @@ JSON cannot hold, a key collision, nesting too deep) never reached the frontend 
 recorded as a `text/plain` stub saying why, with the offending MIME keys and reasons in
 `metadata.themisto.unrecorded`. Only that output: the execution is recorded either way.
 
+Text is recorded as the frontend receives it: a lone surrogate (`os.listdir` gives one for each
+byte of a file name that is not UTF-8) is sent by jupyter_client as the byte it stands for and
+decoded by the receiver with U+FFFD in its place (see `as_sent`); stream text and the fields of
+an error go through the same replacement as display data, so the store never holds a string
+that cannot be encoded as UTF-8.
+
 Binary payloads (base64 MIME values such as image/png, image/jpeg, application/pdf) larger than
 `blob_threshold` bytes are stored in the trajectory store's blob table (the decoded bytes,
 content-addressed) and the MIME value in the output dict is replaced by a reference::
@@ -43,6 +49,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -57,6 +64,32 @@ UNRECORDED_MARKER = "[themisto: this output was not recorded: {reason}]"
 # MIME types whose values are base64 text of binary data in Jupyter messages.
 _TEXT_MIME_PREFIXES = ("text/",)
 _TEXT_MIMES = {"image/svg+xml", "application/javascript", "application/xml"}
+
+
+# Lone surrogates that surrogateescape cannot turn back into a byte (U+DC80..U+DCFF it can).
+_UNSENDABLE_SURROGATES = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+
+
+def as_sent(text: str) -> str:
+    """`text` as the frontend receives it in a Jupyter message.
+
+    jupyter_client's session packs a message with `.encode("utf8", errors="surrogateescape")`
+    and its receivers (jupyter_client's `json_unpacker`, the browser's TextDecoder) decode with
+    replacement: a surrogate U+DC80..U+DCFF is sent as the byte it stands for and arrives as
+    U+FFFD (or, with the bytes beside it, as the character they spell). Any other lone
+    surrogate makes the kernel's send fail (the frontend gets nothing of that message): it is
+    replaced by U+FFFD here, so what is recorded can always be encoded as UTF-8.
+
+    Cheap for text without surrogates (almost all): one encode, no copy kept.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = _UNSENDABLE_SURROGATES.sub("\ufffd", text)
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return text
 
 
 def is_binary_mime(mime: str) -> bool:
@@ -281,7 +314,7 @@ def _pack(obj: Any) -> bytes:
 def _reason(error: BaseException) -> str:
     if isinstance(error, RecursionError):
         return "nested too deeply to encode as JSON"
-    return f"{type(error).__name__}: {str(error)[:200]}"
+    return as_sent(f"{type(error).__name__}: {str(error)[:200]}")
 
 
 def wire_form(out: dict[str, Any]) -> dict[str, Any]:
@@ -291,7 +324,9 @@ def wire_form(out: dict[str, Any]) -> dict[str, Any]:
     send failed the same way): it becomes a stub naming each value that could not be packed.
     """
     try:
-        wired = json.loads(_pack(out))
+        # Decoded as jupyter_client's json_unpacker does (a lone surrogate was packed as the
+        # byte it stands for: U+FFFD, as the frontend shows it).
+        wired = json.loads(_pack(out).decode("utf-8", "replace"))
         if isinstance(wired, dict):
             return wired
         raise ValueError(f"not a mapping: {type(wired).__name__}")
@@ -304,7 +339,7 @@ def wire_form(out: dict[str, Any]) -> dict[str, Any]:
             try:
                 _pack(value)
             except (TypeError, ValueError, RecursionError, OverflowError) as e:
-                unrecorded[str(key)] = _reason(e)
+                unrecorded[as_sent(str(key))] = _reason(e)
         if not unrecorded:
             unrecorded["output"] = _reason(whole)
         reasons = "; ".join(f"{k}: {v}" for k, v in unrecorded.items())
@@ -326,7 +361,7 @@ def unrecorded_output(out: Any, error: BaseException) -> dict[str, Any]:
     stub: dict[str, Any] = {
         "output_type": "display_data",
         "data": {"text/plain": UNRECORDED_MARKER.format(reason=reason)},
-        "metadata": {"themisto": {"unrecorded": {str(kind or "output"): reason}}},
+        "metadata": {"themisto": {"unrecorded": {as_sent(str(kind or "output")): reason}}},
     }
     return stub
 
@@ -398,11 +433,15 @@ def _finalize_one(
         out = wire_form(out)
     cut = False
     if out.get("output_type") == "stream":
-        text = scrub(out["text"]) if scrub else out["text"]
+        text = as_sent(out["text"])
+        text = scrub(text) if scrub else text
         out["text"], cut = _truncate(text, max_output_bytes)
         size = len(out["text"].encode("utf-8", "replace"))
     elif out.get("output_type") == "error":
         size = 0
+        out["ename"] = as_sent(out.get("ename", ""))
+        out["evalue"] = as_sent(out.get("evalue", ""))
+        out["traceback"] = [as_sent(t) for t in out.get("traceback", [])]
         if scrub:
             out["evalue"] = scrub(out.get("evalue", ""))
             out["traceback"] = [scrub(t) for t in out.get("traceback", [])]
