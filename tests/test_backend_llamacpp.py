@@ -679,7 +679,7 @@ async def test_comment_only_and_repeated_cells_are_dropped_unseen():
     backend = ScriptedEngine(["# Out: (3, 2)\n# q8.shape\n", previous + "\n", "df.describe()\n"])
     chunks = await stream(backend, ctx)
     # Neither the comments nor the previous cell ever reached the stream: the third answer did.
-    assert "".join(t for _, t, _ in chunks) == "df.describe()\n"
+    assert "".join(t for _, t, _ in chunks) == "df.describe()"
     assert all(i == 0 for i, _, _ in chunks) and chunks[-1][2]
 
 
@@ -690,7 +690,7 @@ async def test_a_stand_in_for_a_dropped_answer_streams():
     sample = "df.describe()\ndf['a'].sum()\n"
     backend = ScriptedEngine([ctx.cells[-1].source + "\n", sample])
     chunks = await stream(backend, ctx)
-    assert "".join(t for _, t, _ in chunks) == sample
+    assert "".join(t for _, t, _ in chunks) == sample.rstrip()
     streamed = [t for _, t, done in chunks if t and not done]
     assert streamed and streamed[0].startswith("df.")
     assert len(streamed[0]) < len(sample)
@@ -706,7 +706,21 @@ async def test_only_degenerate_answers_give_no_prediction():
 async def test_a_greedy_answer_starting_with_a_comment_streams_once_code_comes():
     backend = ScriptedEngine(["# the mean\ndf.mean()\n"])
     chunks = await stream(backend, session())
-    assert "".join(t for _, t, _ in chunks) == "# the mean\ndf.mean()\n"
+    assert "".join(t for _, t, _ in chunks) == "# the mean\ndf.mean()"
+
+
+async def test_an_answer_never_ends_in_blank_lines():
+    # Tab puts the whole ghost text into the cell: trailing blank lines would go with it. They
+    # wait for what follows them, which comes on a line within the answer.
+    backend = ScriptedEngine(["df.mean()\n\n\ndf.sum()  \n\n\n"])
+    chunks = await stream(backend, session())
+    assert "".join(t for _, t, _ in chunks) == "df.mean()\n\n\ndf.sum()"
+    assert not any(t != t.rstrip() for _, t, _ in chunks[-1:])
+    alternatives = ScriptedEngine(["df.mean()\n", "df.sum()\n\n"])
+    texts: dict[int, str] = {}
+    async for c in alternatives.predict_next_cell(session(), n=2):
+        texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: "df.mean()", 1: "df.sum()"}
 
 
 async def test_ranked_alternatives_follow_the_suggestion_on_screen():
@@ -717,7 +731,7 @@ async def test_ranked_alternatives_follow_the_suggestion_on_screen():
         texts[c.index] = texts.get(c.index, "") + c.text
     # The greedy answer streams first as index 0, then gets its score: a sample agreed with it.
     assert chunks[0].index == 0 and not chunks[0].done
-    assert texts == {0: "df.describe()\n", 1: "df.head()\n"}
+    assert texts == {0: "df.describe()", 1: "df.head()"}
     score0 = [c.score for c in chunks if c.index == 0 and c.score is not None]
     alt = [c for c in chunks if c.index == 1]
     assert score0 and alt[0].metadata == {"source": "sampled"} and alt[0].score is not None
@@ -730,14 +744,14 @@ async def test_a_degenerate_greedy_answer_leaves_index_0_to_a_sample_in_a_ranked
     texts: dict[int, str] = {}
     for c in chunks:
         texts[c.index] = texts.get(c.index, "") + c.text
-    assert texts[0] == "df.tail()\n" and "# only a comment" not in "".join(texts.values())
+    assert texts[0] == "df.tail()" and "# only a comment" not in "".join(texts.values())
     assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 3
 
 
 async def test_repetition_is_cut():
     backend = ScriptedEngine(["df.head()\ndf.tail()\ndf.head()\ndf.head()\ndf.head()\n"])
     text = "".join(t for _, t, _ in await stream(backend, session()))
-    assert text == "df.head()\ndf.tail()\ndf.head()\n"
+    assert text == "df.head()\ndf.tail()\ndf.head()"
 
 
 async def test_an_output_keeps_its_repeated_lines_and_fences():
@@ -897,12 +911,12 @@ async def test_history_that_disagrees_or_is_off_leaves_the_suggestion_to_the_mod
     # Three places, three different cells after the stretch: no one cell follows it.
     store = followed_history(tmp_path, stretch, ["df.sum()", "df.mean()", "df.max()"])
     backend = ScriptedEngine(["df.head()\n"], env=BackendEnv(store=store))
-    assert await next_cells(backend, ctx) == {0: "df.head()\n"}
+    assert await next_cells(backend, ctx) == {0: "df.head()"}
     store.close()
     store = followed_history(tmp_path / "b", stretch, ["df.sum()"])
     off = {"retrieval": {"continuation_cells": 0}}
     backend = ScriptedEngine(["df.head()\n"], off, env=BackendEnv(store=store))
-    assert await next_cells(backend, ctx) == {0: "df.head()\n"}
+    assert await next_cells(backend, ctx) == {0: "df.head()"}
     store.close()
 
 
@@ -926,4 +940,4 @@ async def test_preloading_indexes_the_history_and_a_history_that_fails_is_passed
         list_trajectories = count_executions
 
     backend = ScriptedEngine(["df.head()\n"], env=BackendEnv(store=BrokenStore()))
-    assert await next_cells(backend, ctx) == {0: "df.head()\n"}
+    assert await next_cells(backend, ctx) == {0: "df.head()"}

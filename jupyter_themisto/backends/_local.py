@@ -617,9 +617,13 @@ class LocalModelPredictor(Predictor):
             async for piece in self._complete(job, status):
                 text += piece
                 # A stand-in streams as the greedy answer would: on screen is what came first.
-                if not hold_back(text, previous):
-                    yield NextCellChunk(index=0, text=text[sent:])
-                    sent = len(text)
+                # Blank lines and spaces wait for what follows them: an answer never ends in
+                # them (Tab would put them into the cell).
+                end = len(text.rstrip())
+                if end > sent and not hold_back(text, previous):
+                    yield NextCellChunk(index=0, text=text[sent:end])
+                    sent = end
+            text = text.rstrip()
             why = degenerate_reason(text, previous)
             if status.get("timed_out") and not text.strip():
                 why = (
@@ -647,7 +651,7 @@ class LocalModelPredictor(Predictor):
             )
             status = {}
             text = "".join([piece async for piece in self._complete(job, status)])
-            candidates.append(Candidate(text, "sampled"))
+            candidates.append(Candidate(text.rstrip(), "sampled"))
             if status.get("timed_out"):
                 break  # the machine is too busy for more
         candidates += await self._retrieved(ctx, wanted)
