@@ -65,9 +65,14 @@ def atomic_dir(target: Path, *, force: bool = False) -> Iterator[Path]:
     """Build a folder under a temporary name beside `target`, renamed into place on success.
 
     An existing non-empty `target` is an error unless `force`, which replaces it only once the
-    new folder is complete. The folder gets the mode `mkdir` would give it (0777 minus the
-    umask), not mkdtemp's private 0700.
+    new folder is complete; a symbolic link is an error (name what it points to). The folder
+    gets the mode `mkdir` would give it (0777 minus the umask), not mkdtemp's private 0700.
     """
+    if target.is_symlink():
+        # (renamed into place, the new folder would replace the link, not what it points to)
+        raise CliError(
+            f"{target} is a symbolic link (to {os.readlink(target)}): name the folder itself"
+        )
     if target.exists() and not target.is_dir():
         raise CliError(f"{target} exists and is not a folder")
     if target.is_dir() and any(target.iterdir()) and not force:

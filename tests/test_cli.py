@@ -634,6 +634,16 @@ def test_bad_inputs(recorded, dump, tmp_path):
     # An existing non-empty folder is never overwritten without --force.
     msg = _one_line_error(cli("export", "--out", str(dump), store=store))
     assert "--force" in msg
+    # A symbolic link, dangling or not, is named as one; what it points to stays as it was.
+    for points_to in (tmp_path / "missing" / "dump", dump):
+        link = tmp_path / "link"
+        link.unlink(missing_ok=True)
+        link.symlink_to(points_to)
+        before = sorted(p.name for p in dump.iterdir())
+        msg = _one_line_error(cli("export", "--out", str(link), "--force", store=store))
+        assert "symbolic link" in msg and link.is_symlink()
+        assert sorted(p.name for p in dump.iterdir()) == before
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".link")]
     results = tmp_path / "results"
     msg = _one_line_error(
         cli(
