@@ -16,6 +16,7 @@ import psutil
 import pytest
 from tornado.httpclient import HTTPClientError
 
+from jupyter_themisto.backends.preview import _not_idle
 from jupyter_themisto.store import TrajectoryStore
 from tests.helpers import parse_sse, post, run_cell, server_config, start_session, wait_for
 from tests.peers import OpenAIPeer
@@ -481,10 +482,23 @@ async def test_a_status_that_lags_behind_the_kernel_is_waited_for(
         kernel.execution_state = "busy"
         events = await predict(jp_fetch, kernel_id, "x + 1")
         reasons = [d["reason"] for n, d in events if n == "no_prediction"]
-        assert reasons and reasons[0].startswith("kernel busy (busy)"), events
+        assert reasons and reasons[0] == "kernel busy: no preview while a cell runs", events
         kernel.execution_state = "idle"
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [
+        ("busy", "kernel busy: no preview while a cell runs"),
+        ("starting", "kernel busy: no preview while the kernel starts"),
+        ("restarting", "kernel busy: no preview while the kernel starts"),
+        ("dead", "kernel busy (dead): no preview until it is idle"),
+    ],
+)
+def test_a_kernel_that_is_not_idle_is_named_by_its_state(state, reason):
+    assert _not_idle(state) == reason
 
 
 SECRET = "hunter2-planted-preview-0001"

@@ -222,7 +222,7 @@ class PreviewPredictor(Predictor):
         ending = kernel_id in self._ending
         if state != "idle" and not ending:
             # Never queue behind the person's running cell.
-            raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
+            raise NoPrediction(_not_idle(state))
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
         try:
             wait = _CANCEL_SECONDS + 5 if ending else max(self.settings.busy_wait, 0.1)
@@ -231,7 +231,7 @@ class PreviewPredictor(Predictor):
             raise NoPrediction("kernel busy: another preview is running") from None
         try:
             if ending and (state := await self._idle_state(kernel, _CANCEL_SECONDS)) != "idle":
-                raise NoPrediction(f"kernel busy ({state}): no preview while a cell runs")
+                raise NoPrediction(_not_idle(state))
             token = secrets.token_hex(16)
             expr = (
                 "__import__('jupyter_themisto.kernel.preview', fromlist=['run_preview'])"
@@ -378,3 +378,12 @@ class PreviewPredictor(Predictor):
     async def aclose(self) -> None:
         if self._fallback is not None:
             await self._fallback.aclose()
+
+
+def _not_idle(state: str) -> str:
+    """Why a kernel that is not idle gets no preview, in the words of its state."""
+    if state == "busy":
+        return "kernel busy: no preview while a cell runs"
+    if state in ("starting", "restarting", "autorestarting"):
+        return "kernel busy: no preview while the kernel starts"
+    return f"kernel busy ({state}): no preview until it is idle"
