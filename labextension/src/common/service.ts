@@ -12,13 +12,8 @@ import { describeFailure } from './errors';
 import { streamPrediction } from './predict';
 import { noPredictionText } from './result';
 import { DEFAULT_SETTINGS, IThemistoSettings, notebookOptedOut } from './settings';
+import { IStatus, statusForNewSettings, statusForNotebook, switchedOffStatus } from './status';
 import { IPredictRequest, IPredictionResult, Task } from './types';
-
-/** One quiet message for the panel. */
-export interface IStatus {
-  level: 'info' | 'warning' | 'error';
-  message: string;
-}
 
 /** The next-cell prediction last asked for a notebook, as it streams. */
 export interface INextCellState {
@@ -26,6 +21,9 @@ export interface INextCellState {
   state: 'pending' | 'streaming' | 'done' | 'failed';
   result: IPredictionResult | null;
   startedAt: number;
+  /** Whether a cell of the notebook ran since it was asked: it suggests what followed the
+   * cells before that run. */
+  stale?: boolean;
 }
 
 export class ThemistoService {
@@ -43,6 +41,7 @@ export class ThemistoService {
   set settings(value: IThemistoSettings) {
     this._settings = value;
     this._settingsChanged.emit(value);
+    this._keepStatus(statusForNewSettings(this._status));
   }
 
   get settingsChanged(): ISignal<this, IThemistoSettings> {
@@ -67,8 +66,25 @@ export class ThemistoService {
     this._statusChanged.emit(status);
   }
 
-  reportFailure(error: unknown): void {
-    this.setStatus({ level: 'warning', message: describeFailure(error, this._trans) });
+  /** Report a failed prediction for the notebook at `notebookPath` (the backend the settings
+   * name may be the cause: a settings change clears it). */
+  reportFailure(error: unknown, notebookPath?: string): void {
+    this.setStatus({
+      level: 'warning',
+      message: describeFailure(error, this._trans),
+      notebookPath,
+      fromSettings: true
+    });
+  }
+
+  /** Say that Themisto is off for `panel`'s notebook. */
+  reportSwitchedOff(panel: NotebookPanel): void {
+    this.setStatus(switchedOffStatus(panel.context.path, this._trans));
+  }
+
+  /** `path` (null: none) is the active notebook now: a message about another one goes. */
+  activeNotebookChanged(path: string | null): void {
+    this._keepStatus(statusForNotebook(this._status, path));
   }
 
   nextCellState(notebookPath: string): INextCellState | null {
@@ -94,6 +110,12 @@ export class ThemistoService {
         cell.model.type === 'code' ? (cell.model as ICodeCellModel).executionCount : null;
       if (panel && kernel && typeof count === 'number' && count > 0) {
         this._lastExecution.set(panel, { kernelId: kernel.id, count });
+      }
+      // The notebook's suggestions followed the cells before this run.
+      const state = panel && this._nextCell.get(panel.context.path);
+      if (state && !state.stale) {
+        state.stale = true;
+        this._nextCellChanged.emit(state);
       }
     });
     const watch = (panel: NotebookPanel) =>
@@ -200,7 +222,8 @@ export class ThemistoService {
       if (result.noPrediction) {
         this.setStatus({
           level: 'info',
-          message: this._trans.__('No suggestion yet: %1', noPredictionText(result, this._trans))
+          message: this._trans.__('No suggestion yet: %1', noPredictionText(result, this._trans)),
+          notebookPath: path
         });
       } else {
         this.setStatus(null);
@@ -213,20 +236,32 @@ export class ThemistoService {
       }
       this._nextCellChanged.emit(state);
       if (controller.signal.aborted && !signal.aborted) {
+        const timeoutMs = this._settings.timeoutMs;
         this.setStatus({
           level: 'warning',
-          message: this._trans.__(
-            'The backend did not answer within %1 ms.',
-            this._settings.timeoutMs
-          )
+          message: state.result?.suggestions.length
+            ? this._trans.__(
+                'The backend did not finish within %1 ms: the suggestions listed arrived before.',
+                timeoutMs
+              )
+            : this._trans.__('The backend did not answer within %1 ms.', timeoutMs),
+          notebookPath: path,
+          fromSettings: true
         });
       } else if (!signal.aborted) {
-        this.reportFailure(error);
+        this.reportFailure(error, path);
       }
       throw error;
     } finally {
       clearTimeout(timer);
       signal.removeEventListener('abort', abort);
+    }
+  }
+
+  /** Show `status` unless it is already shown. */
+  private _keepStatus(status: IStatus | null): void {
+    if (status !== this._status) {
+      this.setStatus(status);
     }
   }
 

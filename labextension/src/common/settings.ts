@@ -22,7 +22,7 @@ export interface IThemistoSettings {
 export const DEFAULT_SETTINGS: IThemistoSettings = {
   enabled: true,
   backend: '',
-  outputBackend: '',
+  outputBackend: 'preview',
   trigger: 'automatic',
   debounceMs: 60,
   suggestions: 3,

@@ -32,8 +32,11 @@ const ASKED_OF_THE_KERNEL = new Set(['complete_request', 'inspect_request']);
 interface ICellPrediction {
   widget: PredictedOutput;
   controller: AbortController;
+  /** The cell's text the prediction is for: edited away from it, the prediction goes. */
   source: string;
   panel: NotebookPanel;
+  /** Stop following the cell's edits. */
+  unwatch: () => void;
   /** Why it was stopped before it ended ("cancelled", "the cell runs"…), if it was. */
   stopped?: string;
 }
@@ -59,7 +62,15 @@ export class OutputPredictions {
     this._watch(panel);
     const controller = new AbortController();
     const widget = new PredictedOutput(this._trans, () => this._stop(entry, ''));
-    const entry: ICellPrediction = { widget, controller, source, panel };
+    // Once the cell says something else, the prediction (running or done) is not for it.
+    const onEdit = () => {
+      if (cell.model.sharedModel.getSource() !== source && this._predictions.get(cell) === entry) {
+        this._clear(cell);
+      }
+    };
+    cell.model.contentChanged.connect(onEdit);
+    const unwatch = () => cell.model.contentChanged.disconnect(onEdit);
+    const entry: ICellPrediction = { widget, controller, source, panel, unwatch };
     this._predictions.set(cell, entry);
     this._insert(cell, widget);
     const request = { ...this._service.baseRequest(panel, 'output'), source };
@@ -73,6 +84,8 @@ export class OutputPredictions {
       widget.setState('streaming', partial.backend ?? '');
     })
       .then(result => {
+        // The backend answered: what the status line said of failures is past.
+        this._service.setStatus(null);
         if (result.noPrediction && !result.output) {
           widget.setState('none', noPredictionText(result, this._trans));
         } else {
@@ -97,10 +110,11 @@ export class OutputPredictions {
         if (controller.signal.aborted) {
           this._service.setStatus({
             level: 'warning',
-            message: this._trans.__('Output prediction cancelled or timed out.')
+            message: this._trans.__('Output prediction cancelled or timed out.'),
+            notebookPath: panel.context.path
           });
         } else {
-          this._service.reportFailure(error);
+          this._service.reportFailure(error, panel.context.path);
         }
       })
       .finally(() => clearTimeout(timer));
@@ -110,8 +124,12 @@ export class OutputPredictions {
     this._badges.get(cell)?.dispose();
     this._badges.delete(cell);
     const entry = this._predictions.get(cell);
-    if (entry) {
-      // Stop streaming, but keep what was predicted until the real output arrives.
+    if (entry && cell.model.sharedModel.getSource() !== entry.source) {
+      this._clear(cell); // (for other text: no badge judges it)
+    } else if (entry) {
+      // Stop streaming, but keep what was predicted until the real output arrives and judge it
+      // by the text that runs, whatever is typed meanwhile.
+      entry.unwatch();
       this._stop(entry, this._trans.__('the cell runs'));
     }
     // Any run in the same notebook waits behind a running preview in the kernel: stop them all.
@@ -178,6 +196,7 @@ export class OutputPredictions {
       this._watched.delete(panel);
       for (const [cell, entry] of this._predictions) {
         if (entry.panel === panel) {
+          entry.unwatch();
           this._predictions.delete(cell);
         }
       }
@@ -190,6 +209,7 @@ export class OutputPredictions {
       return;
     }
     this._predictions.delete(cell);
+    entry.unwatch();
     const predicted = entry.widget.text;
     entry.widget.dispose();
     if (!predicted) {
@@ -205,6 +225,7 @@ export class OutputPredictions {
   private _clear(cell: Cell): void {
     const entry = this._predictions.get(cell);
     if (entry) {
+      entry.unwatch();
       entry.controller.abort();
       entry.widget.dispose();
       this._predictions.delete(cell);
@@ -239,10 +260,16 @@ export function activateOutputPrediction(
 ): OutputPredictions {
   const trans = translator.load('jupyter_themisto');
   const predictions = new OutputPredictions(service, trans);
-  const predictActive = () => {
+  /** Predict the active cell's output; `asked` (the command, not the automatic mode): say so
+   * when Themisto is off for the notebook. */
+  const predictActive = (asked = false) => {
     const panel = tracker.currentWidget;
     const cell = panel?.content.activeCell;
     if (panel && cell) {
+      if (asked && !service.isActiveFor(panel)) {
+        service.reportSwitchedOff(panel);
+        return;
+      }
       predictions.predict(panel, cell);
     }
   };
@@ -251,7 +278,7 @@ export function activateOutputPrediction(
     caption: trans.__('Show a dimmed predicted output under the active cell before it runs'),
     describedBy: { args: { type: 'object', properties: {} } },
     isEnabled: () => !!tracker.currentWidget?.content.activeCell,
-    execute: predictActive
+    execute: () => predictActive(true)
   });
 
   // Automatic mode: predict when a code cell with source becomes active, and after edits settle.
@@ -262,7 +289,7 @@ export function activateOutputPrediction(
     if (!settings.predictOutputs) {
       return;
     }
-    timer = window.setTimeout(predictActive, Math.max(settings.debounceMs, 400));
+    timer = window.setTimeout(() => predictActive(), Math.max(settings.debounceMs, 400));
   };
   let watched: Cell | null = null;
   tracker.activeCellChanged.connect((_, cell) => {

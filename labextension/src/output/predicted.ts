@@ -59,7 +59,21 @@ export class PredictedOutput extends Widget {
     this._cancel.className = 'jp-ThemistoPredictedOutput-cancel jp-mod-styled';
     this._cancel.textContent = trans.__('Cancel');
     this._cancel.title = trans.__('Stop this prediction (a running preview is killed)');
-    this._cancel.onclick = () => onCancel?.();
+    // The focus goes back where it was (the cell's editor, the notebook in command mode): the
+    // button hides once the prediction stops, and the focus would fall to the page.
+    let before: Element | null = null;
+    this._cancel.onmousedown = () => {
+      before = document.activeElement;
+    };
+    this._cancel.onclick = () => {
+      onCancel?.();
+      const back =
+        before instanceof HTMLElement && before !== document.body && before.isConnected
+          ? before
+          : this.parent?.node;
+      before = null;
+      back?.focus({ preventScroll: true });
+    };
     this._label.append(this._what, this._elapsed, this._cancel);
     this._text = document.createElement('pre');
     this._text.className = 'jp-ThemistoPredictedOutput-text';

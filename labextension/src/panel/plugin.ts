@@ -33,7 +33,11 @@ export function activatePanel(
   panel.title.icon = themistoIcon;
   app.shell.add(panel, 'right', { rank: 900 });
 
-  tracker.currentChanged.connect(() => panel.notebookChanged());
+  tracker.currentChanged.connect(() => {
+    // A message about the notebook left behind goes.
+    service.activeNotebookChanged(tracker.currentWidget?.context.path ?? null);
+    panel.notebookChanged();
+  });
   // The recorder writes the row before the kernel replies; the snapshot follows a bit later.
   let timers: number[] = [];
   NotebookActions.executed.connect((_, { notebook }) => {

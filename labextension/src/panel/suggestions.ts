@@ -9,6 +9,7 @@ import { Widget } from '@lumino/widgets';
 import { INextCellState, ThemistoService } from '../common/service';
 import { ISuggestion } from '../common/types';
 import { button, div, header } from './dom';
+import { suggestionsMeta } from './heading';
 
 export class SuggestionsView extends Widget {
   constructor(options: SuggestionsView.IOptions) {
@@ -21,8 +22,19 @@ export class SuggestionsView extends Widget {
     });
     suggest.title = trans.__('Ask the backend for next-cell suggestions');
     this._meta = div('jp-ThemistoPanel-meta');
+    // After a run the suggestions are for the cells before it: said, not re-asked (the ghost
+    // text asks in a new empty cell; two requests would compete for the model).
+    this._stale = div(
+      'jp-ThemistoPanel-stale',
+      `${trans.__('Suggestions for the cells before the last run')} · `
+    );
+    const again = button('jp-ThemistoPanel-suggestAgain', trans.__('Suggest again'), () => {
+      void this.suggest();
+    });
+    again.title = trans.__('Ask the backend for next-cell suggestions');
+    this._stale.appendChild(again);
     this._list = div('jp-ThemistoPanel-suggestions');
-    this.node.append(header(trans.__('Next cell'), suggest), this._meta, this._list);
+    this.node.append(header(trans.__('Next cell'), suggest), this._meta, this._stale, this._list);
     this._service.nextCellChanged.connect(this._onNextCellChanged, this);
     this.render(null);
   }
@@ -34,17 +46,13 @@ export class SuggestionsView extends Widget {
     if (!panel) {
       this._service.setStatus({
         level: 'info',
-        message: trans.__('Open a notebook to get suggestions.')
+        message: trans.__('Open a notebook to get suggestions.'),
+        notebookPath: ''
       });
       return;
     }
     if (!this._service.isActiveFor(panel)) {
-      this._service.setStatus({
-        level: 'info',
-        message: trans.__(
-          'Themisto is switched off for this notebook (settings or notebook metadata).'
-        )
-      });
+      this._service.reportSwitchedOff(panel);
       return;
     }
     this._controller?.abort();
@@ -63,31 +71,12 @@ export class SuggestionsView extends Widget {
     if (state && panel && state.notebookPath !== panel.context.path) {
       return;
     }
-    const trans = this._trans;
     this._list.textContent = '';
-    if (!state) {
-      this._meta.textContent = trans.__('No suggestions asked for yet.');
-      return;
-    }
-    const result = state.result;
-    if (state.state === 'pending') {
-      this._meta.textContent = trans.__('Asking the backend…');
-    } else if (state.state === 'failed') {
-      this._meta.textContent = result?.backend
-        ? trans.__('No suggestions from %1.', result.backend)
-        : trans.__('No suggestions.');
-    } else {
-      const backend = result?.backend ?? '…';
-      this._meta.textContent =
-        result?.elapsedMs !== null && result?.elapsedMs !== undefined
-          ? trans.__('Backend: %1 · %2 ms', backend, Math.round(result.elapsedMs))
-          : trans.__(
-              'Backend: %1 · %2 ms so far',
-              backend,
-              Math.round(performance.now() - state.startedAt)
-            );
-    }
-    for (const suggestion of result?.suggestions ?? []) {
+    this._meta.textContent = suggestionsMeta(state, this._trans);
+    const stale = !!state?.stale;
+    this._stale.hidden = !stale;
+    this.node.classList.toggle('jp-mod-stale', stale);
+    for (const suggestion of state?.result?.suggestions ?? []) {
       this._list.appendChild(this._item(suggestion));
     }
   }
@@ -146,6 +135,7 @@ export class SuggestionsView extends Widget {
   private _getNotebook: () => NotebookPanel | null;
   private _trans: TranslationBundle;
   private _meta: HTMLDivElement;
+  private _stale: HTMLDivElement;
   private _list: HTMLDivElement;
   private _controller: AbortController | null = null;
 }

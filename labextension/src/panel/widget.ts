@@ -6,7 +6,8 @@ import { NotebookPanel } from '@jupyterlab/notebook';
 import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { Panel, Widget } from '@lumino/widgets';
 
-import { IStatus, ThemistoService } from '../common/service';
+import { ThemistoService } from '../common/service';
+import { IStatus } from '../common/status';
 import { div } from './dom';
 import { SuggestionsView } from './suggestions';
 import { TimelineView } from './timeline';
