@@ -360,15 +360,16 @@ class RecordWriter:
                     partial(store.add_execution, trajectory_id, row, order_index=order_index)
                 )
             except sqlite3.IntegrityError as e:
-                if store.execution_id(trajectory_id, order_index) is None:
-                    # Not a place taken (the execution written after all): its trajectory
-                    # is missing. Created again before the next try, if this writer knows it.
+                known = trajectory_id in self._created
+                if known and store.execution_id(trajectory_id, order_index) is None:
+                    # Not a place taken (the execution written after all): its trajectory is
+                    # missing from the file. Created again before the next try.
                     self.last_error = f"the execution could not be written: {_describe(e)}"
-                    if trajectory_id in self._created:
-                        self._trajectories[trajectory_id] = partial(
-                            dict, self._created.pop(trajectory_id)
-                        )
+                    self._trajectories[trajectory_id] = partial(
+                        dict, self._created.pop(trajectory_id)
+                    )
                     return
+                # (else that place is taken: the execution was written after all)
             except BaseException as e:  # noqa: B036
                 self.last_error = f"the execution could not be written: {_describe(e)}"
                 if _is_broken(e):
