@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..console import CliError
-from ..store import SCHEMA_VERSION, StoreError, TrajectoryStore, default_store_path
+from ..store import SCHEMA_VERSION, StoreError, TrajectoryStore, resolve_store_path
 
 
 def store_path(args: argparse.Namespace) -> Path:
     # (absolute: `record` hands it to kernels that run in the notebooks' own folders)
-    return (
-        Path(os.path.abspath(Path(args.store).expanduser())) if args.store else default_store_path()
-    )
+    return resolve_store_path(args.store or None)
 
 
 def open_store(args: argparse.Namespace, *, readonly: bool = True) -> TrajectoryStore:

@@ -216,10 +216,9 @@ class ThemistoRecorder(LoggingConfigurable):
         """The store's absolute path, fixed when first asked for (as the recorder starts): a
         cell that changes the working directory must not move the recording elsewhere."""
         if self._store_file is None:
-            from ..store import default_store_path
+            from ..store import resolve_store_path
 
-            path = Path(self.store_path).expanduser() if self.store_path else default_store_path()
-            self._store_file = Path(os.path.abspath(path))
+            self._store_file = resolve_store_path(self.store_path or None)
         return self._store_file
 
     @observe("store_path")

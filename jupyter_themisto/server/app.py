@@ -10,7 +10,7 @@ from traitlets import Bool, Dict, Float, Int, Unicode, validate
 
 from ..backends import default_backend_name
 from ..context import DEFAULT_MAX_OUTPUT_CHARS, DEFAULT_TOKEN_BUDGET
-from ..store import STORE_ENV, TrajectoryStore, default_store_path
+from ..store import STORE_ENV, TrajectoryStore, resolve_store_path
 from .autorecord import AutoRecorder
 from .handlers import default_handlers
 from .manager import ThemistoManager
@@ -117,7 +117,7 @@ class ThemistoExtensionApp(ExtensionApp):
     def initialize_settings(self) -> None:
         assert self.serverapp is not None  # set by jupyter_server before this is called
         # (absolute: kernels run in the notebooks' folders, and record where the server reads)
-        path = os.path.abspath(os.path.expanduser(self.store_path or str(default_store_path())))
+        path = str(resolve_store_path(self.store_path or None))
         # Kernels inherit the server's environment: they record where the server reads.
         self._previous_store_env = os.environ.get(STORE_ENV)
         self._store_env = os.environ[STORE_ENV] = path

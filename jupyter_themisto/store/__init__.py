@@ -10,6 +10,7 @@ from .trajectory_store import (
     TrajectoryStore,
     blob_hash,
     default_store_path,
+    resolve_store_path,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "TrajectoryStore",
     "blob_hash",
     "default_store_path",
+    "resolve_store_path",
 ]

@@ -69,11 +69,19 @@ def default_store_path() -> Path:
     """`THEMISTO_STORE` if set, else `<jupyter data dir>/themisto/trajectories.sqlite`."""
     env = os.environ.get(STORE_ENV)
     if env:
-        # (absolute now: a process that changes its working directory keeps the same store)
-        return Path(os.path.abspath(Path(env).expanduser()))
+        return resolve_store_path(env)
     from jupyter_core.paths import jupyter_data_dir
 
     return Path(jupyter_data_dir()) / "themisto" / "trajectories.sqlite"
+
+
+def resolve_store_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """The store file `path` names (`~` expanded), else (None) the default one; absolute, so
+    that a process that changes its working directory (a kernel's cell), or a kernel started
+    in another folder that is handed it, keeps the same store."""
+    if path is None:
+        return Path(os.path.abspath(default_store_path()))
+    return Path(os.path.abspath(Path(path).expanduser()))
 
 
 def blob_hash(data: bytes | memoryview) -> str:
@@ -97,10 +105,7 @@ class TrajectoryStore:
         timeout: float = 30.0,
         migrate: bool = True,
     ) -> None:
-        # Absolute: a kernel's cell may change the working directory under a relative path.
-        self.path = Path(
-            os.path.abspath(Path(path).expanduser() if path is not None else default_store_path())
-        )
+        self.path = resolve_store_path(path)
         self.readonly = readonly
         self._timeout = timeout
         self._local = threading.local()
