@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import sqlite3
 import statistics
 import sys
 import tempfile
@@ -125,12 +124,7 @@ def main() -> None:
 def copy_history(source: Path, store: TrajectoryStore, leave_out: set[str]) -> int:
     """Copy the trajectories of a recorded store (sources, statuses, outputs) into `store`,
     but those of the notebooks in `leave_out` (resolved paths); returns the executions."""
-    if not source.exists():
-        raise SystemExit(f"no store at {source}: record the corpus first (corpus.py record)")
-    uri = f"file:{source}?mode=ro"
-    with sqlite3.connect(uri, uri=True):
-        pass  # (fails clearly on something that is not an SQLite file)
-    src = TrajectoryStore(source)
+    src = TrajectoryStore(source, readonly=True)  # (a missing file: a clear StoreError)
     copied = 0
     try:
         for t in src.list_trajectories():
@@ -138,7 +132,7 @@ def copy_history(source: Path, store: TrajectoryStore, leave_out: set[str]) -> i
             if str(Path(path).resolve()) in leave_out:
                 continue
             tid = store.create_trajectory(notebook_path=path)
-            for e in src.list_executions(t["trajectory_id"]):
+            for e in src.list_executions(t["id"]):
                 record = {"source": e["source"], "status": e["status"], "outputs": e["outputs"]}
                 store.add_execution(tid, record)
                 copied += 1

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nbformat
 import psutil
 
 HERE = Path(__file__).resolve().parent
@@ -65,8 +64,9 @@ NOTEBOOKS = sorted((HERE / "notebooks").glob("*.ipynb"))
 
 
 def notebook_cells(path: Path, n: int) -> list[str]:
-    nb = nbformat.read(path, as_version=4)
-    return [c.source for c in nb.cells if c.cell_type == "code" and c.source.strip()][:n]
+    import corpus
+
+    return corpus.code_cells(path)[:n]
 
 
 def context(sources: list[str], first_line: str | None = None) -> PredictionContext:
