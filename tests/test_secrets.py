@@ -179,18 +179,26 @@ ORDINARY = [
 ]
 
 
-def test_ordinary_keys_and_tokens_are_not_followed(store_path):
+def run_recorded(store_path, cells: list[str], prefix: str) -> tuple[list, dict]:
+    """Run `cells` (each must succeed) in a recording kernel: the rows recorded, and the
+    variables of the last one's snapshot by name."""
     kernel = RecordingKernel(store_path)
     try:
-        for i, code in enumerate(ORDINARY):
-            mid = kernel.send(code, cell_id=f"ord-{i}")
+        for i, code in enumerate(cells):
+            mid = kernel.send(code, cell_id=f"{prefix}-{i}")
             assert kernel.collect(mid).reply["status"] == "ok"
             kernel.wait_snapshot(mid)
         rows = kernel.executions()
         with TrajectoryStore(store_path, readonly=True) as store:
             variables = {v["name"]: v for v in store.get_variables(rows[-1]["id"])}
+        kernel.settle()
     finally:
         kernel.shutdown()
+    return rows, variables
+
+
+def test_ordinary_keys_and_tokens_are_not_followed(store_path):
+    rows, variables = run_recorded(store_path, ORDINARY, "ord")
     recorded = json.dumps([[r["source"], r["outputs"]] for r in rows])
     for word in ("value1", "setosa", "sepal_length", "<|endoftext|>", "quick"):
         assert word in recorded, word
@@ -213,18 +221,7 @@ HTML_CELLS = [
 
 
 def test_a_secret_escaped_for_html_leaks_nowhere(store_path, tmp_path):
-    kernel = RecordingKernel(store_path)
-    try:
-        for i, code in enumerate(HTML_CELLS):
-            mid = kernel.send(code, cell_id=f"html-{i}")
-            assert kernel.collect(mid).reply["status"] == "ok"
-            kernel.wait_snapshot(mid)
-        rows = kernel.executions()
-        with TrajectoryStore(store_path, readonly=True) as store:
-            variables = {v["name"]: v for v in store.get_variables(rows[-1]["id"])}
-        kernel.settle()
-    finally:
-        kernel.shutdown()
+    rows, variables = run_recorded(store_path, HTML_CELLS, "html")
     forms = {HTML_SECRET, html.escape(HTML_SECRET, quote=False), html.escape(HTML_SECRET)}
     forms |= {json.dumps(f)[1:-1] for f in forms}  # as the JSON files write them
 

@@ -544,6 +544,23 @@ def _zombie(pid):
         return True
 
 
+def _small_snapshot_kernel(path) -> RecordingKernel:
+    """A recording kernel that snapshots at once, with a generous budget for the snapshots it
+    takes itself: a loaded machine must not send small values to a child."""
+    return RecordingKernel(
+        path,
+        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=5"],
+    )
+
+
+def _run_and_settle(k: RecordingKernel, code: str) -> None:
+    """Run `code`, then wait for the trajectory and its snapshot to be written (while the
+    trajectory is being created, or a child runs, a snapshot is forked)."""
+    k.run(code)
+    k.settle()
+    _wait_for(lambda: _recorder_value(k, ".snapshots.running()") == 0)
+
+
 def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_path):
     """A snapshot of small values is taken by the kernel itself (no fork); an unchanged
     variable reuses its row, an in-place change is seen; anything that would run the person's
@@ -551,18 +568,10 @@ def test_small_snapshots_are_taken_by_the_kernel_without_running_its_code(tmp_pa
     file object is never flushed."""
     marker = tmp_path / "reduced-by.txt"
     target = tmp_path / "user-file.txt"
-    k = RecordingKernel(
-        tmp_path / "small.sqlite",
-        # A generous budget: a loaded machine must not send these to a child.
-        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=5"],
-    )
+    k = _small_snapshot_kernel(tmp_path / "small.sqlite")
     try:
         kernel_pid = _recorder_value(k, ".pid")
-        k.run("import numpy as np, pandas as pd")
-        # The trajectory created and the first snapshot written (while the trajectory is being
-        # created, or a child runs, a snapshot is forked).
-        k.settle()
-        _wait_for(lambda: _recorder_value(k, ".snapshots.running()") == 0)
+        _run_and_settle(k, "import numpy as np, pandas as pd")
         small = _recorder_value(k, ".snapshots.counts.get('small', 0)")
         first = k.run(
             "import numpy as np, pandas as pd\n"
@@ -628,15 +637,10 @@ def test_a_reducer_registered_with_copyreg_never_runs_in_the_kernel(tmp_path):
     nor a list holding one is pickled by the kernel itself (a child does it), while values
     that the standard library's own reducers pickle (complex, re.Pattern) still are."""
     marker = tmp_path / "reduced-by.txt"
-    k = RecordingKernel(
-        tmp_path / "copyreg.sqlite",
-        ["--ThemistoRecorder.snapshot_delay=0", "--ThemistoRecorder.small_snapshot_seconds=5"],
-    )
+    k = _small_snapshot_kernel(tmp_path / "copyreg.sqlite")
     try:
         kernel_pid = _recorder_value(k, ".pid")
-        k.run("import copyreg, os, re")
-        k.settle()
-        _wait_for(lambda: _recorder_value(k, ".snapshots.running()") == 0)
+        _run_and_settle(k, "import copyreg, os, re")
         k.run(
             "calls = []\n"
             "class P:\n"

@@ -195,6 +195,20 @@ def type_in_active_cell(page: Page, source: str):
     return active
 
 
+def predict_output(page: Page, source: str):
+    """Type `source` into the active cell and ask for its output (Alt+P): the cell's locator
+    and its predicted-output area's."""
+    active = type_in_active_cell(page, source)
+    page.keyboard.press("Alt+p")
+    return active, active.locator(".jp-ThemistoPredictedOutput")
+
+
+def expect_predicted(predicted, text: str) -> None:
+    """The predicted output is done and reads `text`."""
+    expect(predicted).to_have_attribute("data-state", "done")
+    expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text(text)
+
+
 def suggest_in_new_notebook(page: Page, lab: JupyterLab, name: str):
     """Open a fresh notebook (its page reads the current settings), run a cell, ask the panel
     for suggestions; the panel's status line."""
@@ -466,8 +480,7 @@ def test_predicted_output_replaced_by_real_with_badge(page: Page, lab: JupyterLa
     page.keyboard.type("len(y)")
     page.keyboard.press("Alt+p")
     predicted = active.locator(".jp-ThemistoPredictedOutput")
-    expect(predicted).to_have_attribute("data-state", "done")
-    expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("3")
+    expect_predicted(predicted, "3")
     opacity = float(predicted.evaluate("n => getComputedStyle(n).opacity"))
     assert opacity < 1, "the predicted output is dimmed"
     shot(page, "3-predicted-output")
@@ -515,11 +528,8 @@ def test_a_prediction_goes_when_its_cell_is_edited(page: Page, lab: JupyterLab) 
     try:
         open_notebook(page, lab, "edited.ipynb")
         run_cell(page, "y = 1")
-        active = type_in_active_cell(page, "print('hello')")
-        page.keyboard.press("Alt+p")
-        predicted = active.locator(".jp-ThemistoPredictedOutput")
-        expect(predicted).to_have_attribute("data-state", "done")
-        expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("hello")
+        active, predicted = predict_output(page, "print('hello')")
+        expect_predicted(predicted, "hello")
         page.keyboard.press("Control+a")
         page.keyboard.type("print('bye')")
         expect(active.locator(".jp-ThemistoPredictedOutput")).to_have_count(0)
@@ -544,8 +554,7 @@ def test_output_predicted_automatically_when_the_setting_is_on(page: Page, lab: 
         run_cell(page, "pair = (1, 2)")
         active = type_in_active_cell(page, "pair")
         predicted = active.locator(".jp-ThemistoPredictedOutput")
-        expect(predicted).to_have_attribute("data-state", "done")
-        expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("(1, 2)")
+        expect_predicted(predicted, "(1, 2)")
         page.keyboard.press("Shift+Enter")
         ran = cells(page).nth(1)
         expect(ran.locator(".jp-OutputArea-output")).to_have_text("(1, 2)")
@@ -694,11 +703,8 @@ def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: Jupy
     try:
         open_notebook(page, lab, "preview.ipynb")
         run_cell(page, "y = [1, 2, 3]")
-        active = type_in_active_cell(page, "print(sum(y) * 2)")
-        page.keyboard.press("Alt+p")
-        predicted = active.locator(".jp-ThemistoPredictedOutput")
-        expect(predicted).to_have_attribute("data-state", "done")
-        expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("12")
+        active, predicted = predict_output(page, "print(sum(y) * 2)")
+        expect_predicted(predicted, "12")
         label = predicted.locator(".jp-ThemistoPredictedOutput-label")
         expect(label).to_contain_text("preview")
         shot(page, "7-preview-output")
@@ -707,11 +713,8 @@ def test_preview_predicts_outputs_and_says_what_it_stopped(page: Page, lab: Jupy
         expect(ran.locator(".jp-OutputArea-output")).to_have_text("12")
         expect(ran.locator(".jp-ThemistoPredictionBadge")).to_have_attribute("data-matched", "true")
 
-        active = type_in_active_cell(page, "open('side.txt', 'w').write('xyz')")
-        page.keyboard.press("Alt+p")
-        predicted = active.locator(".jp-ThemistoPredictedOutput")
-        expect(predicted).to_have_attribute("data-state", "done")
-        expect(predicted.locator(".jp-ThemistoPredictedOutput-text")).to_have_text("3")
+        active, predicted = predict_output(page, "open('side.txt', 'w').write('xyz')")
+        expect_predicted(predicted, "3")
         assert not (lab.root / "side.txt").exists()
         page.keyboard.press("Control+a")
         page.keyboard.type("import socket; socket.create_connection(('127.0.0.1', 9))")
@@ -751,9 +754,7 @@ def test_a_long_preview_shows_its_time_and_is_cancelled(page: Page, lab: Jupyter
         run_cell(page, "y = 1")
         _wait(lambda: not _preview_processes(kernel_id))  # (the recorder's snapshot)
         cell = "open('started.txt', 'w').write('1'); import time; time.sleep(100)"
-        active = type_in_active_cell(page, cell)
-        page.keyboard.press("Alt+p")
-        predicted = active.locator(".jp-ThemistoPredictedOutput")
+        active, predicted = predict_output(page, cell)
         expect(predicted).to_have_attribute("data-state", "pending")
         label = predicted.locator(".jp-ThemistoPredictedOutput-label")
         expect(label).to_contain_text(re.compile(r"running [2-9] s"))
@@ -818,9 +819,7 @@ def test_completion_asked_while_a_preview_runs_is_answered(page: Page, lab: Jupy
         kernel_id = open_notebook(page, lab, "complete.ipynb")
         run_cell(page, "alpha_one, alpha_two = 1, 2")
         _wait(lambda: not _preview_processes(kernel_id))  # (the recorder's snapshot)
-        active = type_in_active_cell(page, "import time; time.sleep(100)\nalpha_")
-        page.keyboard.press("Alt+p")
-        predicted = active.locator(".jp-ThemistoPredictedOutput")
+        active, predicted = predict_output(page, "import time; time.sleep(100)\nalpha_")
         label = predicted.locator(".jp-ThemistoPredictedOutput-label")
         expect(label).to_contain_text("running")
         assert _preview_processes(kernel_id) and not replies
