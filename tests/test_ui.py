@@ -217,7 +217,7 @@ def suggest_in_new_notebook(page: Page, lab: JupyterLab, name: str):
     page.keyboard.press("Escape")
     open_panel(page)
     panel = page.locator("#jp-themisto-panel")
-    panel.get_by_role("button", name="Suggest").click()
+    panel.get_by_role("button", name="Suggest", exact=True).click()
     return panel.locator(".jp-ThemistoPanel-status")
 
 
@@ -298,7 +298,7 @@ def test_panel_lists_suggestions_and_insert_and_run(page: Page, lab: JupyterLab)
     page.keyboard.press("Escape")
     open_panel(page)
     panel = page.locator("#jp-themisto-panel")
-    panel.get_by_role("button", name="Suggest").click()
+    panel.get_by_role("button", name="Suggest", exact=True).click()
     suggestions = panel.locator(".jp-ThemistoSuggestion")
     expect(suggestions.first).to_be_visible()
     assert 1 <= suggestions.count() <= 3
@@ -349,11 +349,11 @@ def test_a_restarted_kernel_is_not_asked_for_its_old_executions(
     open_panel(page)
     panel = page.locator("#jp-themisto-panel")
     meta = panel.locator(".jp-ThemistoPanel-meta").first
-    panel.get_by_role("button", name="Suggest").click()
+    panel.get_by_role("button", name="Suggest", exact=True).click()
     expect(meta).to_have_text(re.compile(r"^Backend: retrieval · \d+ ms$"), timeout=TIMEOUT_MS)
     assert asked and "after_execution_count" not in asked[-1], asked
     run_cell(page, HISTORY[2])
-    panel.get_by_role("button", name="Suggest").click()
+    panel.get_by_role("button", name="Suggest", exact=True).click()
     suggestion = panel.locator(".jp-ThemistoSuggestion-code").first
     expect(suggestion).to_have_text(HISTORY[3], timeout=TIMEOUT_MS)
     assert asked[-1]["after_execution_count"] == 1, asked
@@ -607,7 +607,7 @@ def test_failures_are_quiet_messages_in_the_panel(page: Page, lab: JupyterLab) -
     open_panel(page)
     panel = page.locator("#jp-themisto-panel")
     expect(panel).to_contain_text("Nothing recorded yet for this notebook")
-    panel.get_by_role("button", name="Suggest").click()
+    panel.get_by_role("button", name="Suggest", exact=True).click()
     status = panel.locator(".jp-ThemistoPanel-status")
     expect(status).to_contain_text("switched off for this notebook")
     # A backend that does not exist: the server's 404 ends up on the panel's status line.
@@ -676,7 +676,7 @@ def test_palette_switches_the_notebook_off_and_on(page: Page, lab: JupyterLab) -
     expect(page.locator(".jp-Dialog")).to_have_count(0)
     # (blanked, so that the panel's Suggest has to say it again)
     panel.locator(".jp-ThemistoPanel-status").evaluate("n => { n.textContent = ''; }")
-    panel.get_by_role("button", name="Suggest").click()
+    panel.get_by_role("button", name="Suggest", exact=True).click()
     expect(panel.locator(".jp-ThemistoPanel-status")).to_contain_text(
         "switched off for this notebook"
     )
@@ -687,7 +687,7 @@ def test_palette_switches_the_notebook_off_and_on(page: Page, lab: JupyterLab) -
     item = palette_item()
     expect(item).not_to_have_class(toggled)
     item.click()
-    panel.get_by_role("button", name="Suggest").click()
+    panel.get_by_role("button", name="Suggest", exact=True).click()
     expect(panel.locator(".jp-ThemistoPanel-status")).not_to_contain_text("switched off")
     deadline = time.monotonic() + 30
     while not sent and time.monotonic() < deadline:
