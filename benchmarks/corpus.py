@@ -491,7 +491,9 @@ def listed_trajectories(store: Path) -> list[str] | None:
     if not results:
         return None
     listed = {f"{r['repo']}:{n}" for r in load_manifest()["repositories"] for n in r["notebooks"]}
-    return [r["trajectory_id"] for r in results if r.get("key") in listed and "trajectory_id" in r]
+    # (a notebook whose recording made no trajectory has a result with trajectory_id None)
+    made = [r for r in results if r.get("trajectory_id")]
+    return [r["trajectory_id"] for r in made if r.get("key") in listed]
 
 
 def recording_results(store: Path) -> list[dict[str, Any]]:
