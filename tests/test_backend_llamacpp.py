@@ -30,6 +30,7 @@ from jupyter_themisto.backends._local import (
     SharedModel,
     loaded_models,
 )
+from jupyter_themisto.backends._text import whole_statements
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor, bundled_model_path
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, QWEN_CODER_15B, find_model
 from jupyter_themisto.backends.openai import OpenAIPredictor
@@ -41,7 +42,7 @@ from jupyter_themisto.backends.prompts import (
     next_cell_prompt,
     output_prompt,
 )
-from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
+from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, parse_cell
 from jupyter_themisto.store import TrajectoryStore
 
 #: A prompt the model continues for long: counting, with no cell boundary in sight.
@@ -256,6 +257,36 @@ async def test_answers_are_capped_in_lines(model_file):
     backend = llama(max_lines=3)
     text = "".join([p async for p in backend._complete(Completion(ENDLESS, [], 120))])
     assert 1 <= len(text.splitlines()) <= 3
+
+
+async def test_a_suggestion_its_token_limit_cut_ends_where_its_code_is_whole(model_file):
+    """The limit came in the middle of a statement: what was shown of it gives way (a chunk
+    with `replace`) to the suggestion up to its last whole statement, which parses."""
+    cells = [
+        ContextCell(
+            source=f"total_{i} = {i} * 10\nrun_{i} = dict(\n    alpha={i}.1,\n    beta={i}.2,\n)",
+            execution_count=i,
+        )
+        for i in range(1, 4)
+    ]
+    ctx = PredictionContext(cells=cells)
+    backend = llama(max_tokens=20)
+    p = next_cell_prompt(ctx, backend.prompt_options)
+    model = backend.shared()
+    raw: list[str] = []
+    with model.lock:
+        limited = backend.run(model, Completion(p.text, p.stops, 20), threading.Event(), raw.append)
+    answer = "".join(raw)
+    assert limited and parse_cell(answer) is None, answer  # cut inside `run_4 = dict(`
+    chunks = [c async for c in backend.predict_next_cell(ctx)]
+    shown = "".join(c.text for c in chunks if not c.replace)
+    assert shown == answer.rstrip()[: len(shown)] and "dict(" in shown  # streamed as it came
+    assert [c.replace for c in chunks].count(True) == 1 and chunks[-1].replace and chunks[-1].done
+    assert chunks[-1].text == whole_statements(answer) == "total_4 = 4 * 10"
+    # An answer that ends by itself, at the cell boundary, is not cut.
+    whole = Completion(p.text, p.stops, 200)
+    with model.lock:
+        assert not backend.run(model, whole, threading.Event(), raw.append)
 
 
 async def test_two_generations_run_at_once_in_two_slots(model_file):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_themisto.backends._text import StopScanner, chat_prose
+from jupyter_themisto.backends._text import StopScanner, chat_prose, whole_statements
 from jupyter_themisto.backends.prompts import render_context, render_prompt
 from jupyter_themisto.context import (
     build_context,
@@ -176,6 +176,31 @@ def test_stop_scanner_cuts_across_chunks():
     s = StopScanner([">>> "])
     assert s.feed("(3, 2)\n>") == "(3, 2)\n"  # ">" may begin a stop: held back
     assert s.feed("x") == ">x" and s.finish() == "" and not s.stopped
+
+
+@pytest.mark.parametrize(
+    ("cut", "kept"),
+    [
+        # the limit came mid-call: the unfinished line goes
+        ("df = pd.read_csv('a.csv')\nplt.plot(x, ", "df = pd.read_csv('a.csv')"),
+        # ... and the lines of a statement whose closing bracket never came
+        ("fig, ax = plt.subplots()\nax.plot(x,\n    y,\n    col", "fig, ax = plt.subplots()"),
+        # a block's lines stay with it; magics and shell lines count as code
+        ("for i in range(3):\n    print(i)\nprint('do", "for i in range(3):\n    print(i)"),
+        ("%matplotlib inline\nimport numpy as np\nnp.ar", "%matplotlib inline\nimport numpy as np"),
+        ("!ls data\nx = [1,\n", "!ls data"),
+        # a cut that ended at a line's end (the line limit) loses only what does not parse
+        ("a = 1\nb = 2\n", "a = 1\nb = 2"),
+        ("a = 1\nif a:\n", "a = 1"),
+        # nothing whole to end at: kept as it came (cutting would not make it run)
+        ("df.groupby(['a',", "df.groupby(['a',"),
+        ("run = dict(\n    alpha=4.1,\n    be", "run = dict(\n    alpha=4.1,\n    be"),
+        ("# load the data\ndf = pd.read_csv(", "# load the data\ndf = pd.read_csv("),
+        ("%%bash\nls\necho hel", "%%bash\nls\necho hel"),
+    ],
+)
+def test_an_answer_a_limit_cut_ends_where_its_code_is_whole(cut, kept):
+    assert whole_statements(cut) == kept
 
 
 def test_markdown_stands_after_the_latest_run_of_the_code_above_it():

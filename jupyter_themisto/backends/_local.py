@@ -30,6 +30,7 @@ from ._text import (
     chat_prose,
     degenerate_reason,
     hold_back,
+    whole_statements,
 )
 from .base import NextCellChunk, NoPrediction, OutputChunk, Predictor
 from .prompts import (
@@ -365,12 +366,14 @@ class LocalModelPredictor(Predictor):
         job: Completion,
         cancelled: threading.Event,
         emit: Callable[[str], None],
-    ) -> None:
-        """Generate `job`, handing each piece to `emit`; return when done or `cancelled`."""
+    ) -> bool:
+        """Generate `job`, handing each piece to `emit`; return when done or `cancelled`, True
+        when the answer ended at its token or time limit (False when that is not known)."""
         for piece in self.produce(model, job, cancelled):
             if cancelled.is_set():
                 break
             emit(piece)
+        return False
 
     def preload(self) -> None:
         """Load the model in a background thread now (the server calls this at start when this
@@ -485,7 +488,8 @@ class LocalModelPredictor(Predictor):
         ended `job.time_limit` (else `suggestion_timeout`) seconds after it was asked for
         (waiting for a free slot included; loading the model not). A `code` answer also loses
         its code fences and is stopped when it repeats itself (an output may repeat lines and
-        hold fences). An answer ended by its time sets `status["timed_out"]`."""
+        hold fences). An answer ended by its time sets `status["timed_out"]`; one that a limit
+        ended (time, tokens, lines, a loop) sets `status["cut"]`: it may end mid-statement."""
         model = await self._model()
         job = replace(job, time_limit=job.time_limit or self.settings.suggestion_timeout)
         model.remember(job.prompt)
@@ -494,7 +498,8 @@ class LocalModelPredictor(Predictor):
         bounds = AnswerBounds(max_lines=self.settings.max_lines, max_repeats=2 if code else 0)
 
         def run(cancelled: threading.Event, emit: Callable[[str], None]) -> None:
-            self.run(model, job, cancelled, emit)
+            if self.run(model, job, cancelled, emit) and status is not None:
+                status["cut"] = True
 
         pieces = push_from_thread(model, run)
         deadline = time.monotonic() + job.time_limit
@@ -510,7 +515,7 @@ class LocalModelPredictor(Predictor):
                     self.env.log.info("%s: answer ended after %g s", self.name, job.time_limit)
                     self.timed_out += 1
                     if status is not None:
-                        status["timed_out"] = True
+                        status["timed_out"] = status["cut"] = True
                     return
                 text = scanner.feed(piece)
                 text = bounds.feed(fences.feed(text) if fences else text)
@@ -527,6 +532,8 @@ class LocalModelPredictor(Predictor):
             rest = bounds.feed(rest) + bounds.finish()
             if rest:
                 yield rest
+        if bounds.stopped and status is not None:
+            status["cut"] = True
 
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
@@ -623,7 +630,8 @@ class LocalModelPredictor(Predictor):
                 if end > sent and not hold_back(text, previous):
                     yield NextCellChunk(index=0, text=text[sent:end])
                     sent = end
-            text = text.rstrip()
+            shown = text[:sent]
+            text = whole_statements(text) if status.get("cut") else text.rstrip()
             why = degenerate_reason(text, previous)
             if status.get("timed_out") and not text.strip():
                 why = (
@@ -631,7 +639,10 @@ class LocalModelPredictor(Predictor):
                 )
             if why is None or sent:  # (one streamed already cannot turn out degenerate)
                 first = Candidate(text, "greedy" if attempt == 0 else "sampled")
-                yield NextCellChunk(index=0, text=text[sent:], done=True)
+                if text.startswith(shown):
+                    yield NextCellChunk(index=0, text=text[sent:], done=True)
+                else:  # a limit cut it mid-statement: what was shown loses its unfinished end
+                    yield NextCellChunk(index=0, text=text, done=True, replace=True)
                 busy = bool(status.get("timed_out"))
                 break
             dropped.append(why)
@@ -651,7 +662,8 @@ class LocalModelPredictor(Predictor):
             )
             status = {}
             text = "".join([piece async for piece in self._complete(job, status)])
-            candidates.append(Candidate(text.rstrip(), "sampled"))
+            text = whole_statements(text) if status.get("cut") else text.rstrip()
+            candidates.append(Candidate(text, "sampled"))
             if status.get("timed_out"):
                 break  # the machine is too busy for more
         candidates += await self._retrieved(ctx, wanted)

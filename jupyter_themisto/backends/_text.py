@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
+from ..context import parse_cell
 from .base import NoPrediction, OutputChunk
 
 
@@ -222,6 +223,25 @@ def degenerate_reason(text: str, previous: str | None) -> str | None:
     if previous is not None and normalized(text) == normalized(previous):
         return "the previous cell again"
     return None
+
+
+def whole_statements(text: str) -> str:
+    """A code answer that a limit cut off (tokens, time or lines), ended where its code is whole.
+
+    Its last line is dropped unless the text ends with a newline (the limit may have come
+    mid-expression), and then trailing lines until the rest parses as a cell: a statement
+    whose closing bracket or block never came would be a SyntaxError on "Insert & Run". When
+    no beginning with code parses (one unfinished statement, a cell magic, code that never
+    parsed), cutting would not make it run: it is kept as it came.
+    """
+    complete = text.split("\n")[:-1]
+    for end in range(len(complete), 0, -1):
+        head = "\n".join(complete[:end]).rstrip()
+        if not code_lines(head):
+            break
+        if parse_cell(head) is not None:
+            return head
+    return text.rstrip()
 
 
 def hold_back(text: str, previous: str | None) -> bool:

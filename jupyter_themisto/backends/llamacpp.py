@@ -415,7 +415,7 @@ class LlamaCppPredictor(LocalModelPredictor):
         job: Completion,
         cancelled: threading.Event,
         emit: Callable[[str], None],
-    ) -> None:
+    ) -> bool:
         if job.banned_first:
             # The engine bans tokens at every position: the first one is asked for alone, with
             # those banned too, and the answer goes on from it (its prompt is in the cache).
@@ -425,12 +425,14 @@ class LlamaCppPredictor(LocalModelPredictor):
             text = "".join(first)
             if text:
                 emit(text)
-            if not text or cancelled.is_set() or job.max_tokens <= 1:
-                return
+            if not text or cancelled.is_set():
+                return False
+            if job.max_tokens <= 1:
+                return True
             job = replace(
                 job, prompt=job.prompt + text, max_tokens=job.max_tokens - 1, banned_first=()
             )
-        self._generate(model, job, cancelled, emit)
+        return self._generate(model, job, cancelled, emit)
 
     def _generate(
         self,
@@ -438,8 +440,9 @@ class LlamaCppPredictor(LocalModelPredictor):
         job: Completion,
         cancelled: threading.Event,
         emit: Callable[[str], None],
-    ) -> None:
+    ) -> bool:
         errors: list[str] = []
+        limited: list[bool] = []  # the engine ended the answer at its token or time limit
 
         def on_chunk(chunk: Any) -> bool:
             if isinstance(chunk, str):  # the engine's error bodies come as text
@@ -468,11 +471,14 @@ class LlamaCppPredictor(LocalModelPredictor):
             text = choices[0].get("text") or ""
             if text:
                 emit(text)
+            if choices[0].get("finish_reason") == "length":
+                limited.append(True)
             return cancelled.is_set()  # True stops the request at this token or prompt step
 
         model.model.handle_completions(self.request(job, model=model), on_chunk)
         if errors and not cancelled.is_set():
             raise BackendError(f"llamacpp: {errors[0]}")
+        return bool(limited)
 
     def prefill(self, model: SharedModel, job: Completion) -> None:
         body = self.request(job, stream=False, model=model)
