@@ -51,9 +51,10 @@ DEFAULT_SECRET_PATTERN = (
     r"|discord|telegram|bot|jwt|csrf|personal|openai|anthropic|jupyterhub|npm|pypi|twitter|id)"
     r"[_-]?tokens?(?![a-z])"
 )
-# Environment variables are named by convention (`SERVICE_TOKEN`, `STRIPE_KEY`): with the default
-# pattern, their names (in the environment and where a cell sets one) match these wider words.
-ENV_SECRET_PATTERN = r"key|token|secret|passw|passphrase|credential"
+# Environment variables are named by convention (`SERVICE_TOKEN`, `STRIPE_KEY`, `MYSQL_PWD`,
+# `DB_PASS`): with the default pattern, their names (in the environment and where a cell sets
+# one) match these wider words; `PWD`, `OLDPWD` and `PASSENGERS` do not.
+ENV_SECRET_PATTERN = r"key|token|secret|passw|passphrase|credential|[_-](?:pass|pwd)(?![a-z])"
 REDACTED = "<redacted>"
 REDACTED_REASON = "redacted: the name matches the secret pattern"
 SECRET_VALUE_REASON = "redacted: holds a secret value"
@@ -279,7 +280,7 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
 
 # Texts up to this long are searched whole; longer ones around the names that match only.
 _WHOLE_TEXT = 4096
-_DEFAULT_WORDS = ("key", "token", "secret", "passw", "passphrase", "credential")
+_DEFAULT_WORDS = ("key", "token", "secret", "pass", "pwd", "credential")
 
 
 # What stands before a binding that sets an environment variable.

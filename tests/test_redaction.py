@@ -207,6 +207,38 @@ def test_credential_shapes_leave_ordinary_text():
 SECRET = "hunter2-planted-value-0001"
 
 
+def test_environment_variables_named_by_convention_are_followed(monkeypatch):
+    """Database clients read `MYSQL_PWD`, `PGPASSWORD`, `DB_PASS`: the values are followed; the
+    shell's `PWD`/`OLDPWD` (a folder) and a variable that only begins with "pass" are not."""
+    secret = {
+        "MYSQL_PWD": "mysql-planted-0101",
+        "DB_PASS": "db-planted-0102",
+        "SMTP-PASS": "smtp-planted-0103",
+        "PGPASSWORD": "pg-planted-0104",
+    }
+    plain = {
+        "PWD": "/home/ann/project",
+        "OLDPWD": "/home/ann/other",
+        "PASSENGERS": "titanic-csv",
+        "BYPASS_CACHE": "always-on-0105",
+    }
+    for name, value in {**secret, **plain}.items():
+        monkeypatch.setenv(name, value)
+    ks = KernelSecrets()
+    ks.observe({}, source="x = 1")
+    assert set(secret.values()) <= ks.values
+    assert not set(plain.values()) & ks.values
+    # Set in a cell, too.
+    code = 'os.environ["MYSQL_PWD"] = "cell-planted-0106"\n%env DB_PASS=cell-planted-0107'
+    found: list[str] = []
+    assert redact_literals(code, found=found).count(REDACTED) == 2
+    assert {"cell-planted-0106", "cell-planted-0107"} <= set(found)
+    assert (
+        redact_literals('os.environ["PWD"] = "/tmp/work-dir"')
+        == 'os.environ["PWD"] = "/tmp/work-dir"'
+    )
+
+
 def test_kernel_secrets_follow_values(monkeypatch):
     monkeypatch.setenv("PLANTED_SERVICE_TOKEN", "env-planted-value-0002")
     ks = KernelSecrets()

@@ -30,6 +30,36 @@ def test_new_store_is_migrated_and_in_wal_mode(store_path):
     store.close()
 
 
+def test_a_new_store_is_private_and_an_existing_one_keeps_its_mode(tmp_path):
+    old_umask = os.umask(0o022)  # the usual one: files readable by everyone
+    try:
+        path = tmp_path / "new" / "t.sqlite"
+        store = TrajectoryStore(path)
+        store.create_trajectory()
+        files = [path, path.with_name("t.sqlite-wal"), path.with_name("t.sqlite-shm")]
+        assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {
+            f.name: "0o600" for f in files
+        }
+        store.close()
+        # Deleted: the file made again is private too.
+        for f in files:
+            f.unlink(missing_ok=True)
+        again = TrajectoryStore(path)
+        again.create_trajectory()
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        again.close()
+        shared = tmp_path / "shared.sqlite"
+        TrajectoryStore(shared).close()
+        shared.chmod(0o640)  # shared with a group on purpose
+        store = TrajectoryStore(shared)
+        store.create_trajectory()
+        assert oct(shared.stat().st_mode & 0o777) == "0o640"
+        assert len(store.list_trajectories()) == 1
+        store.close()
+    finally:
+        os.umask(old_umask)
+
+
 def test_store_newer_than_code_is_refused(store_path):
     TrajectoryStore(store_path).close()
     conn = sqlite3.connect(store_path)

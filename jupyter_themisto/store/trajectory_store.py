@@ -75,6 +75,19 @@ def default_store_path() -> Path:
     return Path(jupyter_data_dir()) / "themisto" / "trajectories.sqlite"
 
 
+def _create_private(path: Path) -> None:
+    """Create the store's file, empty, readable by its owner only, unless it exists: it holds
+    every recorded source, output and variable. SQLite gives the `-wal` and `-shm` files it
+    makes beside it the same mode; a store that exists keeps its own (e.g. one shared with a
+    group on purpose)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StoreError(f"cannot create the trajectory store {path}: {e}") from e
+
+
 def resolve_store_path(path: str | os.PathLike[str] | None = None) -> Path:
     """The store file `path` names (`~` expanded), else (None) the default one; absolute, so
     that a process that changes its working directory (a kernel's cell), or a kernel started
@@ -145,6 +158,7 @@ class TrajectoryStore:
                         uri, uri=True, timeout=self._timeout, isolation_level=None
                     )
                 else:
+                    _create_private(self.path)
                     conn = sqlite3.connect(
                         str(self.path), timeout=self._timeout, isolation_level=None
                     )
