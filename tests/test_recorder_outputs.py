@@ -11,6 +11,7 @@ import os
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jupyter_client.jsonutil import json_default
 
 from jupyter_themisto.kernel.outputs import as_sent, resolve_blob_refs
 
@@ -250,6 +251,25 @@ def test_lone_surrogates_are_recorded_as_the_frontend_got_them(kernel, tmp_path)
     assert row["outputs"] == [{"output_type": "error", **sent}]
     # Strict UTF-8 JSON, as an export writes it.
     json.dumps(row["outputs"], ensure_ascii=False).encode("utf-8")
+
+
+def test_a_source_with_a_lone_surrogate_is_recorded_as_the_frontend_got_it_back(kernel):
+    """A browser writes a lone surrogate in a cell as a JSON escape (`JSON.stringify`), so the
+    kernel reads the surrogate (and Python refuses to compile it); its echo (`execute_input`)
+    reaches the frontend with U+FFFD in its place, and so is the source recorded (it was `?`),
+    with the error."""
+    session = kernel.kc.session
+    packer = session.pack
+    session.pack = lambda obj: json.dumps(obj, default=json_default).encode("ascii")
+    try:
+        msg_id = kernel.send("print('ok')  # caf\udce9.csv")
+    finally:
+        session.pack = packer
+    done = kernel.collect(msg_id)
+    (error,) = done.of("error")
+    assert done.reply["status"] == "error" and error["ename"] == "UnicodeEncodeError"
+    row = kernel.execution(msg_id)
+    assert row["source"] == "print('ok')  # caf\ufffd.csv" and row["status"] == "error"
 
 
 def test_as_sent_replaces_only_lone_surrogates():

@@ -27,7 +27,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..redaction import DEFAULT_SECRET_PATTERN, KernelSecrets, compile_pattern, redact_source
 from . import resources
-from .outputs import OutputCapture, drain_fd_pipes, error_output, finalize_outputs
+from .outputs import OutputCapture, as_sent, drain_fd_pipes, error_output, finalize_outputs
 
 NOTEBOOK_PATH_ENV = "THEMISTO_NOTEBOOK_PATH"
 # Set by the server for the kernels it launches: "0" when the notebook opts out of recording.
@@ -527,8 +527,9 @@ class ThemistoRecorder(LoggingConfigurable):
         if self.redact_source:
             source = redact_source(source, self.secret_pattern)
         source = secrets.scrub(source)
-        # Text a database can hold (a lone surrogate would make the row unwritable).
-        source = source.encode("utf-8", "replace").decode("utf-8")
+        # As the frontend got it back (`execute_input`): text a database can hold (a lone
+        # surrogate would make the row unwritable).
+        source = as_sent(source)
         snapshot_status = "pending" if self.snapshots.will_snapshot() else "off"
         record: dict[str, Any] = {
             "cell_id": current["cell_id"],
