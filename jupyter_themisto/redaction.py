@@ -64,6 +64,11 @@ MIN_SECRET_VALUE_LEN = 6
 MAX_SECRET_VALUE_LEN = 64 * 1024
 # A dict walk for values under secret-named keys looks at most this many entries per cell.
 _MAX_DICT_ENTRIES = 5000
+# ... through dicts, and lists and tuples of them (records: `[{"user": …, "password": …}]`),
+# nested at most this deep.
+_NESTED_SET = {dict, list, tuple}
+_MAX_NESTING = 16
+_RECORDS_PROBED = 8
 # The output text scanned per output beyond the recorder's own cut (a secret straddling it).
 _SCAN_MARGIN = 4096
 
@@ -692,8 +697,11 @@ class KernelSecrets:
         budget = _MAX_DICT_ENTRIES
         for name in names:
             value = namespace.get(name)
-            if type(value) is dict and budget > 0:
-                budget -= self._observe_dict(value, regex, budget, depth=0)
+            if type(value) in _NESTED_SET and budget > 0:
+                try:
+                    budget -= self._observe_nested(value, regex, budget, 0, set())[0]
+                except RuntimeError:  # changed by another thread meanwhile: next cell
+                    pass
         # os.environ's own dict (bytes or str by platform) compares in C: most cells change none.
         data = getattr(os.environ, "_data", None)
         if data is None or data != self._environ:
@@ -706,25 +714,55 @@ class KernelSecrets:
         redact_tokens(redact_literals(source, self.pattern, found), found)
         self.learn_all(found)
 
-    def _observe_dict(
-        self, d: dict[Any, Any], regex: re.Pattern[str], budget: int, depth: int
-    ) -> int:
-        """Learn str values under secret-named keys; returns the entries looked at."""
+    def _observe_nested(
+        self, node: Any, regex: re.Pattern[str], budget: int, depth: int, visited: set[int]
+    ) -> tuple[int, bool]:
+        """Learn str values under secret-named keys of the dicts in `node` (a dict, list or
+        tuple), however they nest; returns the entries looked at (at most `budget`) and whether
+        a secret-named key was among them.
+
+        A list or tuple is records of one shape: it is looked into when its first item is a
+        dict, list or tuple (a list of a million numbers costs one look), and past its first
+        `_RECORDS_PROBED` items only when they named a secret."""
+        if id(node) in visited:
+            return 0, False
+        visited.add(id(node))
+        if type(node) is dict:
+            found = self._learn_entries(node, regex, budget)
+            seen = min(len(node), budget)
+            items: Iterable[Any] = node.values()
+            # The value types, collected in C: most dicts hold no container.
+            if depth >= _MAX_NESTING or not set(map(type, islice(items, budget))) & _NESTED_SET:
+                return seen, found
+        elif node and type(node[0]) in _NESTED_SET and depth < _MAX_NESTING:
+            seen, found, items = 1, False, node
+        else:
+            return 1, False
+        for i, item in enumerate(islice(items, budget)):
+            if seen >= budget or type(node) is not dict and i == _RECORDS_PROBED and not found:
+                break
+            if type(item) in _NESTED_SET:
+                more, named = self._observe_nested(item, regex, budget - seen, depth + 1, visited)
+                seen += more
+                found = found or named
+        return seen, found
+
+    def _learn_entries(self, d: dict[Any, Any], regex: re.Pattern[str], budget: int) -> bool:
+        """Learn the str values of `d` under secret-named keys (its first `budget` entries);
+        whether a key named a secret."""
         # One search over all the keys (joined in C): most dicts name no secret, cost no more.
         try:
             names = "\n".join(islice(d, budget))
         except TypeError:  # not all keys are strings
             names = "\n".join([k for k in islice(d, budget) if isinstance(k, str)])
+        found = False
         if names and _may_name_secret(names, self.pattern, regex):
             for key, item in islice(d.items(), budget):
-                if isinstance(key, str) and isinstance(item, (str, bytes)) and regex.search(key):
-                    self.learn(item)
-        seen = min(len(d), budget)
-        if depth < 2 and dict in set(map(type, islice(d.values(), budget))):
-            for item in islice(d.values(), budget):
-                if type(item) is dict and seen < budget:
-                    seen += self._observe_dict(item, regex, budget - seen, depth + 1)
-        return seen
+                if isinstance(key, str) and regex.search(key):
+                    found = True
+                    if isinstance(item, (str, bytes)):
+                        self.learn(item)
+        return found
 
     # scrubbing ------------------------------------------------------------------------------
 

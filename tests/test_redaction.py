@@ -239,6 +239,22 @@ def test_environment_variables_named_by_convention_are_followed(monkeypatch):
     )
 
 
+def test_the_walk_through_nested_values_is_bounded_and_misses_no_later_secret():
+    cycle = {"password": "cycle-planted-0021"}
+    cycle["self"] = cycle
+    ns = {
+        "numbers": list(range(10**6)),  # one look: its first item holds no dict
+        "records": [{"user": f"u{i}", "score": i} for i in range(10_000)],  # 8 looked at
+        "cycle": cycle,
+        "deep": {"a": {"b": {"c": {"d": {"e": {"secret": "deep-planted-0022"}}}}}},
+        "zz_later": [({"api_key": "later-planted-0023"},)],
+    }
+    ks = KernelSecrets()
+    ks.observe(ns, source="x = 1")
+    assert {"cycle-planted-0021", "deep-planted-0022", "later-planted-0023"} <= ks.values
+    assert not any(v.startswith("u") for v in ks.values)
+
+
 def test_kernel_secrets_follow_values(monkeypatch):
     monkeypatch.setenv("PLANTED_SERVICE_TOKEN", "env-planted-value-0002")
     ks = KernelSecrets()

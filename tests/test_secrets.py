@@ -247,3 +247,47 @@ def test_a_secret_escaped_for_html_leaks_nowhere(store_path, tmp_path):
     for f in out.rglob("*"):
         if f.is_file():
             assert html_leaks(f.read_bytes()) == [], f
+
+
+# Built by concatenation: no cell's source holds the value as a literal bound to a name.
+NESTED = {
+    "record": "nested-planted-0011",
+    "other_record": "nested-planted-0012",
+    "deep": "deep-planted-0013",
+    "tuple": "tuple-planted-0014",
+}
+NESTED_CELLS = [
+    "accounts = [{'user': 'ann', 'password': 'nested-' + 'planted-0011'},\n"
+    "            {'user': 'bob', 'password': 'nested-' + 'planted-0012'}]",
+    "cfg = {'env': {'prod': {'db': {'conn': {'api_key': 'deep-' + 'planted-0013'}}}}}",
+    "creds = ({'user': 'x', 'auth_token': 'tuple-' + 'planted-0014'},)",
+    "print(accounts[1]['password'], cfg['env']['prod']['db']['conn']['api_key'])",
+    "copy = creds[0]['auth_token']\nrows = [{'user': f'u{i}', 'score': i} for i in range(100)]",
+]
+
+
+def test_secrets_in_lists_of_records_and_deep_configs_leak_nowhere(store_path, tmp_path):
+    """Values under secret-named keys are followed however the dicts nest: in a list or tuple
+    of records, and five dicts deep (they were followed two levels deep, and not in lists)."""
+    rows, variables = run_recorded(store_path, NESTED_CELLS, "nested")
+
+    def nested_leaks(data: bytes | str) -> list[str]:
+        if isinstance(data, str):
+            data = data.encode("utf-8", "surrogatepass")
+        return [k for k, v in NESTED.items() if v.encode() in data]
+
+    assert rows[3]["outputs"][0]["text"] == f"{REDACTED} {REDACTED}\n"
+    for name in ("accounts", "cfg", "creds", "copy"):
+        assert variables[name]["stub_reason"] == SECRET_VALUE_REASON, name
+    # Records that name no secret are kept as they are.
+    assert variables["rows"]["stub_reason"] is None and variables["rows"]["blob_hash"]
+    assert nested_leaks(json.dumps(rows, ensure_ascii=False)) == []
+    for f in store_path.parent.iterdir():
+        if f.is_file() and not f.name.endswith(".key"):
+            assert nested_leaks(f.read_bytes()) == [], f.name
+    out = tmp_path / "dump"
+    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
+    assert done.returncode == 0, done.stderr
+    for f in out.rglob("*"):
+        if f.is_file():
+            assert nested_leaks(f.read_bytes()) == [], f
