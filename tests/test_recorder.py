@@ -14,6 +14,7 @@ import textwrap
 import time
 from typing import Any
 
+import psutil
 import pytest
 
 from jupyter_themisto.kernel.outputs import (
@@ -418,6 +419,57 @@ def test_cells_after_the_store_was_deleted_are_recorded_in_a_new_one(tmp_path):
         assert [r["status"] in ("ok", "lost") for r in rows if r["source"] == remove] == [True]
         assert [r["order_index"] for r in rows] == sorted({r["order_index"] for r in rows})
         store.close()
+    finally:
+        k.shutdown()
+
+
+def test_a_store_deleted_while_a_write_waited_for_its_lock_loses_nothing_silently(tmp_path):
+    """Another process holds the store's write lock; two cells run (their rows wait for the
+    lock, their snapshot children for the rows); the store is deleted, then the lock freed.
+    The first row, which the writer was retrying, went into the deleted file: it is a `lost`
+    row in the new file (it vanished). The second row is written in the new file; its snapshot
+    child, which had opened the deleted file, follows the path and writes the snapshot there
+    (it waited 120 s for a row that never came to the deleted file, and the snapshot stayed
+    `pending`)."""
+    path = tmp_path / "store.sqlite"
+    k = RecordingKernel(path)
+    try:
+        k.run("a = list(range(1000))")
+        k.settle()
+        kernel = psutil.Process(k.km.provisioner.pid)
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        k.run("x = list(range(10))")
+        deadline = time.monotonic() + 5
+        while not kernel.children():  # its snapshot child waits for the row (in the file)
+            assert time.monotonic() < deadline, "no snapshot child"
+            time.sleep(0.05)
+        y = k.run("y = list(range(20))").msg_id
+        while len(kernel.children()) < 2:  # and the second's
+            assert time.monotonic() < deadline + 5, "no second snapshot child"
+            time.sleep(0.05)
+        for f in tmp_path.glob("store.sqlite*"):
+            f.unlink()
+        holder.execute("ROLLBACK")
+        holder.close()
+        z = k.run("z = 3")
+        assert z.reply["status"] == "ok"
+        rows = {r["source"]: r for r in k.executions()}
+        assert [(r["source"], r["status"]) for r in rows.values()] == [
+            ("x = list(range(10))", "lost"),
+            ("y = list(range(20))", "ok"),
+            ("z = 3", "ok"),
+        ]
+        assert "replaced" in rows["x = list(range(10))"]["detail"]
+        # Snapshots go on within seconds: y's taken (or merged into z's, which follows it).
+        assert k.wait_snapshot(y, timeout=30)["snapshot_status"] in ("ok", "coalesced")
+        assert k.wait_snapshot(z.msg_id, timeout=30)["snapshot_status"] == "ok"
+        assert {"x", "y", "z"} <= set(k.variables(z.msg_id))
+        # The child that had opened the deleted file followed the path and ended.
+        deadline = time.monotonic() + 10
+        while kernel.children():
+            assert time.monotonic() < deadline, f"a snapshot child still waits: {kernel.children()}"
+            time.sleep(0.1)
     finally:
         k.shutdown()
 

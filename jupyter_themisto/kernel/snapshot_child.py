@@ -78,7 +78,7 @@ def run_child(recorder: Any, order: int, writer_for: Callable[[Any], SnapshotWri
 
         # Its own connection; nothing of the kernel's (the writer thread's) is touched.
         store = TrajectoryStore(recorder.store_file, migrate=False)
-        execution_id = wait_for_row(store, recorder.trajectory_id, order)
+        store, execution_id = wait_for_row(store, recorder.trajectory_id, order)
         if execution_id is None:
             code = CHILD_NO_ROW
         else:
@@ -104,10 +104,12 @@ def run_child(recorder: Any, order: int, writer_for: Callable[[Any], SnapshotWri
         os._exit(code)
 
 
-def wait_for_row(store: Any, trajectory_id: str | None, order: int) -> int | None:
-    """The execution's id once the kernel's writer has written it (the child may be first)."""
+def wait_for_row(store: Any, trajectory_id: str | None, order: int) -> tuple[Any, int | None]:
+    """The store and the execution's id once the kernel's writer has written it (the child may
+    be first). A store file deleted or replaced meanwhile is followed: the writer writes the
+    row into the new file at the same path."""
     if trajectory_id is None:
-        return None
+        return store, None
     deadline = time.monotonic() + 120.0
     pause = 0.005
     while True:
@@ -116,7 +118,15 @@ def wait_for_row(store: Any, trajectory_id: str | None, order: int) -> int | Non
         except Exception:
             found = None
         if found is not None or time.monotonic() > deadline:
-            return found
+            return store, found
+        if not store.intact():
+            try:
+                fresh = type(store)(store.path, migrate=False)
+            except Exception:
+                pass  # (not there yet: the writer makes it)
+            else:
+                store.close()
+                store = fresh
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
 

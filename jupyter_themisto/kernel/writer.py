@@ -20,7 +20,8 @@ retried the same way, so it exists before the person's first cell runs.
 
 A store whose file was deleted or replaced under it is reopened (a new file) with this
 kernel's trajectories created again, so that what runs after is recorded there (the
-execution that found it out as a `lost` row). A store whose WAL file alone was removed first
+execution that found it out as a `lost` row; so is one whose write waited for the lock while
+the file was deleted, and went into it). A store whose WAL file alone was removed first
 has what this process committed checkpointed into the database, through the descriptors its
 connection still holds, and nothing is lost.
 
@@ -317,6 +318,9 @@ class RecordWriter:
             self._locked(
                 partial(store.add_execution, trajectory_id, record, order_index=order_index)
             )
+            # A file deleted or replaced while the lock was waited for took the row into a
+            # file nobody will read: it counts as lost (a `lost` row in the new file).
+            self._unchanged_store()
             self.written += 1
         except sqlite3.IntegrityError as e:
             if store.execution_id(trajectory_id, order_index) is None:
