@@ -10,6 +10,7 @@ import logging
 import pytest
 from tornado.httpclient import HTTPClientError
 
+from jupyter_themisto.store import TrajectoryStore
 from tests.helpers import (
     body_of,
     error_of,
@@ -102,6 +103,28 @@ async def test_trajectory_routes(jp_fetch, store):
     # A secret's value never leaves the server, even if an older store kept its repr.
     assert "hunter2" not in r.body.decode()
     assert variables["api_key"]["summary"] == {"redacted": True}
+
+
+async def test_a_store_deleted_while_the_server_runs_is_served_anew(jp_fetch, store_path):
+    """`rm` the store to start afresh: the kernels' writers record into a new file at the same
+    path, and the server serves that one (it went on serving the deleted file until it was
+    restarted)."""
+    writer = TrajectoryStore(store_path)
+    old, _ = make_trajectory(writer)
+    r = await jp_fetch("themisto", "trajectories")
+    assert [t["id"] for t in json.loads(r.body)["trajectories"]] == [old]
+    writer.close()
+    for f in store_path.parent.glob(store_path.name + "*"):
+        f.unlink()
+    with TrajectoryStore(store_path) as writer:
+        new, ids = make_trajectory(writer, kernel_id="k-2", n=3)
+    r = await jp_fetch("themisto", "trajectories")
+    assert [t["id"] for t in json.loads(r.body)["trajectories"]] == [new]
+    r = await jp_fetch("themisto", "trajectories", new, "executions")
+    assert json.loads(r.body)["total"] == 3
+    with pytest.raises(HTTPClientError) as e:
+        await jp_fetch("themisto", "trajectories", old)
+    assert e.value.code == 404
 
 
 async def test_not_found_and_bad_queries(jp_fetch, store):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import multiprocessing
 import os
@@ -58,6 +59,37 @@ def test_a_new_store_is_private_and_an_existing_one_keeps_its_mode(tmp_path):
         store.close()
     finally:
         os.umask(old_umask)
+
+
+def test_a_following_store_serves_the_file_that_replaced_its_own(tmp_path):
+    """The server's store (`follow`) reads the new file once the old one was deleted (`rm` to
+    start afresh); a store
+    that does not follow goes on reading the deleted one (a kernel's writer, which notices
+    it itself)."""
+    path = tmp_path / "t.sqlite"
+    old = TrajectoryStore(path)
+    before = old.create_trajectory(notebook_path="before.ipynb")
+    server = TrajectoryStore(path, follow=True)
+    stale = TrajectoryStore(path)
+    assert [t["id"] for t in server.list_trajectories()] == [before]
+    old.close()
+    for f in tmp_path.glob("t.sqlite*"):
+        f.unlink()
+    # Deleted and nothing there yet: the server's store makes the file, with its schema.
+    assert server.list_trajectories() == []
+    assert server.schema_version() == SCHEMA_VERSION and server.intact()
+    after = TrajectoryStore(path).create_trajectory(notebook_path="after.ipynb")
+    assert [t["id"] for t in server.list_trajectories()] == [after]
+    assert [t["id"] for t in stale.list_trajectories()] == [before]  # the deleted file
+    # From another thread too (a connection per thread), after a second deletion.
+    for f in tmp_path.glob("t.sqlite*"):
+        f.unlink()
+    again = TrajectoryStore(path).create_trajectory(notebook_path="again.ipynb")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ids = pool.submit(lambda: [t["id"] for t in server.list_trajectories()]).result()
+    assert ids == [again] and [t["id"] for t in server.list_trajectories()] == [again]
+    server.close()
+    stale.close()
 
 
 def test_store_newer_than_code_is_refused(store_path):

@@ -336,8 +336,12 @@ def test_a_restarted_kernel_is_not_asked_for_its_old_executions(
     execution (it is answered, not kept waiting for an execution that will never be
     recorded), and one asked after the next run names that run."""
     open_notebook(page, lab, "restart.ipynb")
+    open_panel(page)
+    panel = page.locator("#jp-themisto-panel")
+    rows = panel.locator(".jp-ThemistoTimeline tbody tr")
     for source in HISTORY[:2]:
         run_cell(page, source)
+    expect(rows).to_have_count(2, timeout=TIMEOUT_MS)
     asked = next_cell_requests(page)
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Kernel$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Restart Kernel\W*$")).click()
@@ -346,8 +350,9 @@ def test_a_restarted_kernel_is_not_asked_for_its_old_executions(
     expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
         1, timeout=60_000
     )
-    open_panel(page)
-    panel = page.locator("#jp-themisto-panel")
+    # The timeline shows the restarted kernel's new trajectory before any cell runs in it.
+    expect(panel).to_contain_text("0 executions recorded", timeout=TIMEOUT_MS)
+    expect(rows).to_have_count(0)
     meta = panel.locator(".jp-ThemistoPanel-meta").first
     panel.get_by_role("button", name="Suggest", exact=True).click()
     expect(meta).to_have_text(re.compile(r"^Backend: retrieval · \d+ ms$"), timeout=TIMEOUT_MS)
@@ -577,11 +582,19 @@ def test_timeline_lists_the_executions(page: Page, lab: JupyterLab) -> None:
         row = rows.nth(i).locator("td")
         expect(row.nth(0)).to_have_text(re.compile(r"^\d+$"))
         expect(row.nth(1)).to_have_text(source)
-        expect(row.nth(2)).to_have_text("error" if source == "1 / 0" else "ok")
+        status = "error" if source == "1 / 0" else "ok"
+        expect(row.nth(2)).to_have_text("✗" if status == "error" else "✓")
+        expect(row.nth(2)).to_have_attribute("title", status)
         expect(row.nth(3)).to_have_text(re.compile(r"\d+(\.\d+)? (ms|s)$"))
         expect(row.nth(4)).to_have_text(re.compile(r"\d+\.\d MB$"))
-    orders = [int(rows.nth(i).locator("td").first.inner_text()) for i in range(3)]
-    assert orders == sorted(orders) and len(set(orders)) == 3
+    # Numbered as the notebook numbers them (In [1] …), not from 0.
+    assert [int(rows.nth(i).locator("td").first.inner_text()) for i in range(3)] == [1, 2, 3]
+    # At the sidebar's default width the source keeps the room: the memory column gives way
+    # (the chart's line shows memory).
+    table = panel.locator(".jp-ThemistoTimeline")
+    expect(rows.first.locator("td").nth(4)).to_be_hidden()
+    source_width = rows.first.locator("td").nth(1).bounding_box()["width"]
+    assert source_width >= 0.4 * table.bounding_box()["width"], source_width
     expect(panel.locator("svg.jp-ThemistoChart rect")).to_have_count(3)
     expect(panel.locator("svg.jp-ThemistoChart polyline")).to_have_count(1)
     # The legend says what bars and line are, and the scale each is drawn to.

@@ -121,7 +121,9 @@ class ThemistoExtensionApp(ExtensionApp):
         # Kernels inherit the server's environment: they record where the server reads.
         self._previous_store_env = os.environ.get(STORE_ENV)
         self._store_env = os.environ[STORE_ENV] = path
-        self.store = TrajectoryStore(path)
+        # A store file deleted or replaced while the server runs (to start afresh, or by a
+        # sync tool) is followed: the kernels record into the new file, and so it is served.
+        self.store = TrajectoryStore(path, follow=True)
         default_backend = self.default_backend or default_backend_name()
         self.manager = ThemistoManager(
             self.store,

@@ -117,9 +117,15 @@ class TrajectoryStore:
         readonly: bool = False,
         timeout: float = 30.0,
         migrate: bool = True,
+        follow: bool = False,
     ) -> None:
         self.path = resolve_store_path(path)
         self.readonly = readonly
+        #: follow the path: a file deleted or replaced under the store is opened anew (and
+        #: migrated) at the next query, instead of going on with the old one (the server's
+        #: store; a recording kernel's writer keeps its own account of what was lost)
+        self.follow = follow
+        self._migrate = migrate
         self._timeout = timeout
         self._local = threading.local()
         self._pid = os.getpid()
@@ -150,6 +156,9 @@ class TrajectoryStore:
             self._local = threading.local()
             self._pid = os.getpid()
         conn = getattr(self._local, "conn", None)
+        if conn is not None and self.follow and self._file_inode() != self._local.inode:
+            conn.close()  # the file was deleted or replaced: the new one at the path
+            conn = self._local.conn = None
         if conn is None:
             try:
                 if self.readonly:
@@ -177,7 +186,24 @@ class TrajectoryStore:
             except sqlite3.Error as e:
                 raise StoreError(f"cannot open the trajectory store {self.path}: {e}") from e
             self._local.conn = conn
+            if self.follow:
+                self._local.inode = self._file_inode()
+                if hasattr(self, "_inode") and self._local.inode != self._inode:
+                    self._followed(conn)
         return conn
+
+    def _followed(self, conn: sqlite3.Connection) -> None:
+        """A new file at the path (see `follow`): given the schema, and checked from now on."""
+        if not self.readonly and self._migrate:
+            try:
+                migrate_schema(conn)
+            except (sqlite3.Error, RuntimeError) as e:
+                raise StoreError(f"cannot open the trajectory store {self.path}: {e}") from e
+        self._inode = self._local.inode
+        self._wal_inode = self._file_inode(self._wal_path)
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # (the old file's: no lock of this process is left on it)
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
