@@ -920,7 +920,7 @@ class StoreRedactor:
         self.store = store
         self.pattern = pattern
         self.matcher: DigestMatcher | None = None
-        self._count = -1
+        self._count: tuple[int, int | None] = (-1, None)
         self._cache: dict[str, str] = {}
         # Whether a summary holds a secret, by what identifies its value (blob, fingerprint):
         # an unchanged variable recurs in every snapshot of a trajectory.
@@ -929,12 +929,13 @@ class StoreRedactor:
     def refresh(self) -> None:
         """Pick up hashes recorded since the last call (cheap when there are none)."""
         try:
-            count = self.store.secret_digest_count()
+            # (a store file deleted and made anew, with its own key, may hold as many)
+            count = (self.store.secret_digest_count(), getattr(self.store, "file_id", None))
         except Exception:
             return
         if count == self._count:
             return
-        key = load_key(self.store.path, create=False) if count else None
+        key = load_key(self.store.path, create=False) if count[0] else None
         self.matcher = DigestMatcher(key, self.store.secret_digests()) if key else None
         self._count = count
         self._cache.clear()

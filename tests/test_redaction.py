@@ -346,6 +346,33 @@ def test_pickle_strings_reads_without_unpickling():
 # -- persistence through a store, and what the server and exports see ---------------------------
 
 
+def test_the_server_follows_the_hashes_of_a_store_deleted_and_made_anew(tmp_path):
+    """The new file has its own key and, here, as many hashes as the old one had: the server
+    (which follows the path) matches the new values, not the old ones."""
+    path = tmp_path / "t.sqlite"
+
+    def record(value: str) -> None:
+        store = TrajectoryStore(path)
+        tid = store.create_trajectory()
+        ks = KernelSecrets()
+        ks.observe({"api_key": value}, "")
+        assert ks.persist(store, tid) >= 1
+        store.close()
+
+    record("first-planted-0031")
+    server = StoreRedactor(TrajectoryStore(path, follow=True))
+    server.refresh()
+    assert server.scrub_text("first-planted-0031") == REDACTED
+    count = server.store.secret_digest_count()
+    for f in tmp_path.glob("t.sqlite*"):
+        f.unlink()
+    record("other-planted-0032")
+    assert server.store.secret_digest_count() == count
+    server.refresh()
+    assert server.scrub_text("other-planted-0032") == REDACTED
+    assert server.scrub_text("first-planted-0031") == "first-planted-0031"
+
+
 def test_values_persist_as_keyed_hashes_and_the_server_follows_them(tmp_path):
     path = tmp_path / "store" / "t.sqlite"
     store = TrajectoryStore(path)

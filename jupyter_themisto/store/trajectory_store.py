@@ -218,6 +218,11 @@ class TrajectoryStore:
             raise
         conn.execute("COMMIT")
 
+    @property
+    def file_id(self) -> int | None:
+        """Which file this store reads (its inode): another after a deleted file was followed."""
+        return self._inode
+
     def _file_inode(self, path: Path | None = None) -> int | None:
         try:
             return os.stat(path or self.path).st_ino
