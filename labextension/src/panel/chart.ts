@@ -15,6 +15,11 @@ function el(name: string, attrs: Record<string, string | number>): SVGElement {
   return node;
 }
 
+/** How an execution is numbered, as the notebook numbers it: In [n] (from 1 without one). */
+export function executionNumber(execution: IExecution): string {
+  return String(execution.execution_count ?? execution.order_index + 1);
+}
+
 export function formatSeconds(seconds: number | null): string {
   if (seconds === null || seconds === undefined) {
     return '–';
@@ -94,7 +99,7 @@ export function renderChart(
       height: Math.max(h, 1)
     });
     const tip = el('title', {});
-    tip.textContent = `#${execution.order_index}: ${formatSeconds(execution.wall_time)}, ${formatBytes(mems[i])}`;
+    tip.textContent = `#${executionNumber(execution)}: ${formatSeconds(execution.wall_time)}, ${formatBytes(mems[i])}`;
     bar.appendChild(tip);
     svg.appendChild(bar);
   });

@@ -3,7 +3,9 @@
  * notebook and its executions.
  */
 import { ILabShell, JupyterFrontEnd } from '@jupyterlab/application';
+import { ISessionContext } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookActions } from '@jupyterlab/notebook';
+import { Kernel } from '@jupyterlab/services';
 import { ITranslator } from '@jupyterlab/translation';
 import { LabIcon } from '@jupyterlab/ui-components';
 
@@ -33,19 +35,43 @@ export function activatePanel(
   panel.title.icon = themistoIcon;
   app.shell.add(panel, 'right', { rank: 900 });
 
+  // The recorder writes the row before the kernel replies; the snapshot follows a bit later.
+  let timers: number[] = [];
+  const refreshSoon = (): void => {
+    timers.forEach(t => window.clearTimeout(t));
+    timers = [150, 1500].map(delay => window.setTimeout(() => void panel.refreshTimeline(), delay));
+  };
+  // A restarted or changed kernel starts a new trajectory (the recorder creates it as the
+  // kernel starts): the timeline shows it without waiting for the first cell.
+  let restarting = false;
+  const onKernelStatus = (_: ISessionContext, status: Kernel.Status): void => {
+    if (status === 'restarting' || status === 'autorestarting') {
+      restarting = true;
+    } else if (status === 'idle' && restarting) {
+      restarting = false;
+      refreshSoon();
+    }
+  };
+  let watched: ISessionContext | null = null;
+  const watch = (context: ISessionContext | null): void => {
+    watched?.statusChanged.disconnect(onKernelStatus);
+    watched?.kernelChanged.disconnect(refreshSoon);
+    watched = context;
+    restarting = false;
+    watched?.statusChanged.connect(onKernelStatus);
+    watched?.kernelChanged.connect(refreshSoon);
+  };
   tracker.currentChanged.connect(() => {
     // A message about the notebook left behind goes.
     service.activeNotebookChanged(tracker.currentWidget?.context.path ?? null);
+    watch(tracker.currentWidget?.sessionContext ?? null);
     panel.notebookChanged();
   });
-  // The recorder writes the row before the kernel replies; the snapshot follows a bit later.
-  let timers: number[] = [];
+  watch(tracker.currentWidget?.sessionContext ?? null);
   NotebookActions.executed.connect((_, { notebook }) => {
-    if (notebook !== tracker.currentWidget?.content) {
-      return;
+    if (notebook === tracker.currentWidget?.content) {
+      refreshSoon();
     }
-    timers.forEach(t => window.clearTimeout(t));
-    timers = [150, 1500].map(delay => window.setTimeout(() => void panel.refreshTimeline(), delay));
   });
 
   app.commands.addCommand(TOGGLE_PANEL_COMMAND, {

@@ -9,11 +9,19 @@ import { Widget } from '@lumino/widgets';
 import { describeFailure } from '../common/errors';
 import { listExecutions, listTrajectories } from '../common/trajectories';
 import { IExecution, ITrajectory } from '../common/types';
-import { chartLegend, formatBytes, formatSeconds, renderChart } from './chart';
+import { chartLegend, executionNumber, formatBytes, formatSeconds, renderChart } from './chart';
 import { button, div, header } from './dom';
 
 /** How many executions the timeline shows at most (the newest). */
 const TIMELINE_ROWS = 500;
+
+/** The timeline's sign for each execution status (the word is the cell's title). */
+const STATUS_SIGNS: Record<string, string> = {
+  ok: '✓',
+  error: '✗',
+  interrupted: '■',
+  lost: '∅'
+};
 
 export class TimelineView extends Widget {
   constructor(options: TimelineView.IOptions) {
@@ -111,21 +119,27 @@ export class TimelineView extends Widget {
     this._table.appendChild(this._tableOf(executions));
   }
 
-  /** One row an execution: order, first line of source, status, wall time, memory. */
+  /**
+   * One row an execution: its In [n] number, first line of source, status (a sign; the word
+   * as its title), wall time, memory. In a narrow panel the memory column gives way (the
+   * chart's line shows it) so that the source keeps the room.
+   */
   private _tableOf(executions: IExecution[]): HTMLTableElement {
     const trans = this._trans;
     const table = document.createElement('table');
     table.className = 'jp-ThemistoTimeline';
     const head = table.createTHead().insertRow();
-    for (const name of [
-      trans.__('#'),
-      trans.__('cell'),
-      trans.__('status'),
-      trans.__('time'),
-      trans.__('memory')
-    ]) {
+    const names: [string, string][] = [
+      [trans.__('#'), trans.__('The execution count, as in In [n]')],
+      [trans.__('cell'), ''],
+      ['', trans.__('status')],
+      [trans.__('time'), trans.__('wall time')],
+      [trans.__('memory'), trans.__('memory after the cell')]
+    ];
+    for (const [name, title] of names) {
       const th = document.createElement('th');
       th.textContent = name;
+      th.title = title;
       head.appendChild(th);
     }
     const body = table.createTBody();
@@ -134,9 +148,9 @@ export class TimelineView extends Widget {
       row.className = `jp-ThemistoTimeline-row jp-mod-${execution.status}`;
       const firstLine = (execution.source ?? '').split('\n').find(l => l.trim()) ?? '';
       const cells = [
-        String(execution.order_index),
+        executionNumber(execution),
         firstLine.length > 40 ? firstLine.slice(0, 39) + '…' : firstLine,
-        execution.status,
+        STATUS_SIGNS[execution.status] ?? '?',
         formatSeconds(execution.wall_time),
         formatBytes(execution.memory_after ?? execution.memory_peak)
       ];
@@ -146,6 +160,10 @@ export class TimelineView extends Widget {
         if (i === 1) {
           td.title = execution.source;
           td.className = 'jp-ThemistoTimeline-source';
+        } else if (i === 2) {
+          td.title = execution.status;
+          td.setAttribute('aria-label', td.title);
+          td.className = 'jp-ThemistoTimeline-status';
         }
       });
     }

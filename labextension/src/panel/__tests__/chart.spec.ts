@@ -4,7 +4,7 @@
 import { nullTranslator } from '@jupyterlab/translation';
 
 import { IExecution } from '../../common/types';
-import { chartLegend } from '../chart';
+import { chartLegend, executionNumber } from '../chart';
 
 const MB = 1024 * 1024;
 
@@ -50,5 +50,16 @@ describe('chartLegend', () => {
       'Bars: wall time, longest 2 ms · Line: memory, 10.0 MB'
     );
     expect(chartLegend([execution(null, null)], trans)).toBe('Bars: wall time, longest –');
+  });
+});
+
+describe('executionNumber', () => {
+  it('numbers an execution as the notebook does, In [n], and from 1 without a count', () => {
+    expect(executionNumber({ ...execution(0.1, null), order_index: 4, execution_count: 7 })).toBe(
+      '7'
+    );
+    expect(
+      executionNumber({ ...execution(0.1, null), order_index: 4, execution_count: null })
+    ).toBe('5');
   });
 });
