@@ -126,6 +126,7 @@ class TrajectoryStore:
         #: store; a recording kernel's writer keeps its own account of what was lost)
         self.follow = follow
         self._migrate = migrate
+        self._follow_lock = threading.Lock()
         self._timeout = timeout
         self._local = threading.local()
         self._pid = os.getpid()
@@ -193,17 +194,21 @@ class TrajectoryStore:
         return conn
 
     def _followed(self, conn: sqlite3.Connection) -> None:
-        """A new file at the path (see `follow`): given the schema, and checked from now on."""
+        """A new file at the path (see `follow`): given the schema, and checked from now on
+        (by the first thread to find it; the others' connections open it as they come)."""
         if not self.readonly and self._migrate:
             try:
                 migrate_schema(conn)
             except (sqlite3.Error, RuntimeError) as e:
                 raise StoreError(f"cannot open the trajectory store {self.path}: {e}") from e
-        self._inode = self._local.inode
-        self._wal_inode = self._file_inode(self._wal_path)
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # (the old file's: no lock of this process is left on it)
+        with self._follow_lock:
+            if self._inode == self._local.inode:
+                return
+            self._inode = self._local.inode
+            self._wal_inode = self._file_inode(self._wal_path)
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)  # (the old file's: no lock of this process is left on it)
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
