@@ -675,6 +675,31 @@ def test_a_reducer_registered_with_copyreg_never_runs_in_the_kernel(tmp_path):
         k.shutdown()
 
 
+def test_the_kept_answer_about_copyreg_changes_with_the_table():
+    """`_reducers_of_theirs` keeps its answer while copyreg's table holds the same entries: a
+    reducer registered, replaced or removed since is seen at the next call."""
+    import copyreg
+
+    from jupyter_themisto.kernel.pickling import _reducers_of_theirs
+
+    class Q:
+        pass
+
+    before = _reducers_of_theirs()
+    assert _reducers_of_theirs() == before  # (the kept answer)
+    copyreg.pickle(Q, lambda o: (Q, ()))
+    try:
+        assert _reducers_of_theirs()
+        copyreg.dispatch_table[Q] = lambda o: (Q, ())  # replaced under the same key
+        assert _reducers_of_theirs()
+    finally:
+        del copyreg.dispatch_table[Q]
+    assert _reducers_of_theirs() == before
+    # A library's own reducer for a library's type does not count (NumPy's for its ufuncs).
+    numpy_reducers = [t for t in copyreg.dispatch_table if t.__module__.startswith("numpy")]
+    assert numpy_reducers and before is False
+
+
 def test_an_inline_snapshot_waits_for_another_process_writing(tmp_path):
     """Kernels recording side by side (`jupyter themisto record`, inline snapshots): a write
     lock held by another process while a snapshot is being written is waited for; the snapshot

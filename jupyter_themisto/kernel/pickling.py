@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import itertools
 import pickle
 import signal
 import socket
@@ -186,8 +187,19 @@ def _library_reducer(t: type, reducer: Any) -> bool:
 
 
 def _reducers_of_theirs() -> bool:
-    """True if copyreg holds any reducer of the person's (see _reducer_of_theirs)."""
-    return not all(_library_reducer(t, r) for t, r in tuple(copyreg.dispatch_table.items()))
+    """True if copyreg holds any reducer of the person's (see _reducer_of_theirs). Asked for
+    each NumPy or pandas value of a snapshot: the answer is kept while the table holds the
+    same entries. They are compared by identity (`==` could run a metaclass of the person's),
+    and kept alive with the answer so that no other object takes one's id meanwhile."""
+    global _theirs_checked
+    items = tuple(copyreg.dispatch_table.items())
+    ids = tuple(map(id, itertools.chain.from_iterable(items)))
+    if ids != _theirs_checked[0]:
+        _theirs_checked = (ids, items, not all(_library_reducer(t, r) for t, r in items))
+    return _theirs_checked[2]
+
+
+_theirs_checked: tuple[tuple[int, ...], tuple[Any, ...], bool] = ((), (), False)
 
 
 def serialize(value: Any, *, max_bytes: int, strict: bool = False) -> tuple[bytes, str]:
