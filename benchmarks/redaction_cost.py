@@ -5,7 +5,9 @@ server do it:
 
 - kernel side, per execution: scrubbing the source and each output's text, then the outputs
   as a whole (`KernelSecrets.scrub`, `scrub_output`, `scrub_json`), with nothing known secret
-  and with 3 values learnt plus 30 keyed hashes from earlier sessions to follow;
+  and with 3 values learnt plus 30 keyed hashes from earlier sessions to follow; and learning
+  the values under secret-named keys from each notebook's last namespace (its snapshot's
+  variables, deserialized), the walk through nested dicts and lists of records;
 - server side: one page of executions scrubbed (`StoreRedactor.scrub_execution`, the
   `/executions` route), and one prediction context per trajectory (`scrub_context`, the door
   to every backend), both with no hash recorded and with 30;
@@ -70,6 +72,49 @@ def kernel_side(executions: list[dict], secrets: KernelSecrets) -> list[float]:
         secrets.scrub_json(e["outputs"])
         per.append(time.perf_counter() - t0)
     return per
+
+
+def namespaces(store: TrajectoryStore, trajectories: list[dict]) -> list[dict]:
+    """Each trajectory's last namespace, from its snapshot's serialized variables (those the
+    store holds a value of; pickle, else dill)."""
+    import pickle
+
+    import dill
+
+    found = []
+    for t in trajectories:
+        rows = store.list_executions(t["id"])
+        variables = store.get_variables(rows[-1]["id"]) if rows else []
+        ns = {}
+        for v in variables:
+            if not v["blob_hash"]:
+                continue
+            data = store.get_blob(v["blob_hash"])
+            for loads in (pickle.loads, dill.loads):
+                try:
+                    ns[v["name"]] = loads(data)
+                    break
+                except Exception:
+                    continue
+        if ns:
+            found.append(ns)
+    return found
+
+
+def walk_side(found: list[dict]) -> tuple[list[float], list[float]]:
+    """Seconds of `KernelSecrets.observe` on each namespace after a cell (the values under
+    secret-named keys, through nested dicts and lists of records): the first time, and again
+    (the names and the environment seen already, as in the next cells)."""
+    first, again = [], []
+    for ns in found:
+        secrets = KernelSecrets()
+        t0 = time.perf_counter()
+        secrets.observe(ns, "")
+        first.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        secrets.observe(ns, "")
+        again.append(time.perf_counter() - t0)
+    return first, again
 
 
 def server_side(
@@ -147,6 +192,20 @@ def main() -> int:
             print(
                 f"  {label:<24} {statistics.median(per) * 1e3:7.3f} {pct(per, 0.95) * 1e3:7.3f}"
                 f" {pct(per, 0.99) * 1e3:7.3f} {sum(per):7.2f}"
+            )
+
+        found = namespaces(store, trajectories)
+        sizes = sorted(len(ns) for ns in found)
+        first, again = walk_side(found)
+        print(
+            f"\nkernel side, learning from the namespace after a cell (ms), {len(found)} corpus"
+            f" namespaces of {sizes[0]}-{sizes[-1]} variables (median {sizes[len(sizes) // 2]}):"
+            " median  p95  max"
+        )
+        for label, per in (("first cell", first), ("next cells", again)):
+            print(
+                f"  {label:<24} {statistics.median(per) * 1e3:7.3f} {pct(per, 0.95) * 1e3:7.3f}"
+                f" {max(per) * 1e3:7.3f}"
             )
 
         print("\nserver side (ms): page of executions median / p95; context median / p95")
