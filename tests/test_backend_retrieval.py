@@ -116,6 +116,25 @@ async def test_no_repeat_of_the_cell_just_run_and_new_executions_are_indexed(sto
     assert "b = a + 1" not in out and "print(a, b)" in out
 
 
+async def test_a_history_deleted_is_forgotten_even_by_an_equal_count(tmp_path):
+    """The store is deleted to start afresh (as the server follows it): the index is rebuilt
+    from the new file, though it holds as many executions as the old one did."""
+    path = tmp_path / "t.sqlite"
+    old = TrajectoryStore(path)
+    record(old, ["a = 1", "b = a + 1", "print('old history')"])
+    store = TrajectoryStore(path, follow=True)
+    backend = RetrievalPredictor(REBUILD_FIRST, BackendEnv(store=store))
+    ctx = build_context([{"source": "a = 1"}, {"source": "b = a + 1"}])
+    assert "print('old history')" in await suggestions(backend, ctx)
+    old.close()
+    for f in tmp_path.glob("t.sqlite*"):
+        f.unlink()
+    with TrajectoryStore(path) as new:
+        record(new, ["a = 1", "b = a + 1", "print('new history')"])
+    assert await suggestions(backend, ctx) == ["print('new history')"]
+    store.close()
+
+
 async def test_corpus_directory_without_history(tmp_path):
     nb = {
         "cells": [

@@ -224,9 +224,13 @@ class RetrievalPredictor(Predictor):
         retriever.index(docs, show_progress=False)
         return _Index(retriever, places, followers)
 
-    def _key(self) -> int:
+    def _key(self) -> tuple[int, int | None]:
+        """What the index was built from: the store's executions, and which file holds them (a
+        store deleted to start afresh, and made anew, may hold as many)."""
         store = self.env.store
-        return store.count_executions() if (self.settings.history and store is not None) else 0
+        if not self.settings.history or store is None:
+            return (0, None)
+        return (store.count_executions(), getattr(store, "file_id", None))
 
     def index(self) -> _Index:
         """The index, rebuilt when the store has new executions (cheap check: a count)."""
