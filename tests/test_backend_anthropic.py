@@ -49,6 +49,16 @@ async def test_stream_and_request_shape(peer):
     await b.aclose()
 
 
+async def test_an_answer_cut_at_max_tokens_ends_at_its_last_whole_statement(peer):
+    """stop_reason "max_tokens" inside `plt.plot(`: the unfinished statement shown gives way."""
+    peer.reply = "df = load()\nplt.plot(x, y, color='red')\n"
+    chunks = [c async for c in backend(peer, max_tokens=6).predict_next_cell(ctx())]
+    assert "".join(c.text for c in chunks[:-1]) == "df = load()\nplt.plot(x, "
+    assert chunks[-1].replace and chunks[-1].done and chunks[-1].text == "df = load()"
+    whole = [c async for c in backend(peer).predict_next_cell(ctx())]
+    assert "".join(c.text for c in whole) == peer.reply and not any(c.replace for c in whole)
+
+
 async def test_retries_overloaded_and_rate_limit(peer):
     peer.fail(Fault.error(529), Fault.error(429, retry_after=0.2))
     b = backend(peer, max_retries=2)

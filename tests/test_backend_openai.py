@@ -77,6 +77,29 @@ async def test_n_choices_and_completions_api(peer):
     await b.aclose()
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
+async def test_an_answer_cut_at_max_tokens_ends_at_its_last_whole_statement(peer, api):
+    """The server stops at `max_tokens` inside `plt.plot(` (finish_reason "length"): what was
+    shown of the unfinished statement gives way to the answer up to the one before it."""
+    peer.reply = [
+        "df = load()\nplt.plot(x, y, color='red')\n",
+        "a = 1\nb = [1,\n  2,\n  3,\n  4]\n",
+    ]
+    b = backend(peer, api=api, max_tokens=6)  # 6 pieces of 4 characters: 24 of them
+    chunks = [c async for c in b.predict_next_cell(ctx(), n=2)]
+    ends = {c.index: c for c in chunks if c.done}
+    shown = {i: "".join(c.text for c in chunks if c.index == i and not c.done) for i in ends}
+    assert shown[0] == "df = load()\nplt.plot(x, "
+    assert shown[1].startswith("a = 1\nb = [1,\n  2,") and peer.reply[1][:24].startswith(shown[1])
+    assert ends[0].replace and ends[0].text == "df = load()"
+    assert ends[1].replace and ends[1].text == "a = 1"
+    assert peer.requests[-1].body["max_tokens"] == 6
+    # An answer that ends by itself is passed on as it came.
+    whole = [c async for c in backend(peer, api=api).predict_next_cell(ctx())]
+    assert "".join(c.text for c in whole) == peer.reply[0] and not any(c.replace for c in whole)
+    await b.aclose()
+
+
 async def test_retries_429_honouring_retry_after(peer):
     peer.reply = "y = 2"
     peer.fail(Fault.error(429, retry_after=0.4), Fault.error(503))

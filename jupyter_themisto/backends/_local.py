@@ -28,6 +28,7 @@ from ._text import (
     FenceStripper,
     StopScanner,
     chat_prose,
+    closing_chunk,
     degenerate_reason,
     hold_back,
     whole_statements,
@@ -639,10 +640,7 @@ class LocalModelPredictor(Predictor):
                 )
             if why is None or sent:  # (one streamed already cannot turn out degenerate)
                 first = Candidate(text, "greedy" if attempt == 0 else "sampled")
-                if text.startswith(shown):
-                    yield NextCellChunk(index=0, text=text[sent:], done=True)
-                else:  # a limit cut it mid-statement: what was shown loses its unfinished end
-                    yield NextCellChunk(index=0, text=text, done=True, replace=True)
+                yield closing_chunk(0, shown, text)
                 busy = bool(status.get("timed_out"))
                 break
             dropped.append(why)

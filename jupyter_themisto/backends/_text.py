@@ -6,7 +6,7 @@ import re
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from ..context import parse_cell
-from .base import NoPrediction, OutputChunk
+from .base import NextCellChunk, NoPrediction, OutputChunk
 
 
 class FenceStripper:
@@ -242,6 +242,15 @@ def whole_statements(text: str) -> str:
         if parse_cell(head) is not None:
             return head
     return text.rstrip()
+
+
+def closing_chunk(index: int, shown: str, final: str) -> NextCellChunk:
+    """The chunk that closes suggestion `index`: the rest of `final` after what was `shown`,
+    or `final` whole in place of it when it ends before the stream got to (a limit cut the
+    answer and `whole_statements` ended it further back)."""
+    if final.startswith(shown):
+        return NextCellChunk(index=index, text=final[len(shown) :], done=True)
+    return NextCellChunk(index=index, text=final, done=True, replace=True)
 
 
 def hold_back(text: str, previous: str | None) -> bool:

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr
 
 from ..context import PredictionContext
 from ._http import HTTPPredictor, HTTPSettings, parse_json
-from ._text import output_chunks, unfenced
+from ._text import closing_chunk, output_chunks, unfenced, whole_statements
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
@@ -53,7 +53,10 @@ class AnthropicPredictor(HTTPPredictor):
             }
         return {"ok": True, "detail": f"model {self.model} at {self.base_url}"}
 
-    async def _stream(self, ctx: PredictionContext, task: Task) -> AsyncIterator[str]:
+    async def _stream(
+        self, ctx: PredictionContext, task: Task, ended: dict[str, str] | None = None
+    ) -> AsyncIterator[str]:
+        """The answer's text as it streams; `ended` gets the `stop_reason`."""
         self.require_key()
         instructions, prompt = render_prompt(ctx, task)
         payload = {
@@ -80,6 +83,10 @@ class AnthropicPredictor(HTTPPredictor):
                 delta = obj.get("delta") or {}
                 if delta.get("type") == "text_delta" and delta.get("text"):
                     yield delta["text"]
+            elif kind == "message_delta" and ended is not None:
+                reason = (obj.get("delta") or {}).get("stop_reason")
+                if reason:
+                    ended["stop_reason"] = reason
             elif kind == "message_stop":
                 stopped = True
                 break
@@ -91,12 +98,19 @@ class AnthropicPredictor(HTTPPredictor):
     async def predict_next_cell(
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
-        got = False
-        async for out, last in unfenced(self._stream(ctx, "next-cell")):
-            if last and not got and not out.strip():
+        ended: dict[str, str] = {}
+        shown = ""
+        async for out, last in unfenced(self._stream(ctx, "next-cell", ended)):
+            if not last:
+                shown += out
+                yield NextCellChunk(index=0, text=out)
+                continue
+            whole = shown + out
+            if not whole.strip():
                 raise NoPrediction("the model returned no suggestion")
-            got = True
-            yield NextCellChunk(index=0, text=out, done=last)
+            # Cut at max_tokens: ended at its last whole statement.
+            cut = ended.get("stop_reason") == "max_tokens"
+            yield closing_chunk(0, shown, whole_statements(whole) if cut else whole)
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         async for chunk in output_chunks(self._stream(ctx, "output")):

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr
 
 from ..context import PredictionContext
 from ._http import HTTPPredictor, HTTPSettings, parse_json
-from ._text import FenceStripper, output_chunks
+from ._text import FenceStripper, closing_chunk, output_chunks, whole_statements
 from .base import BackendError, NextCellChunk, NoPrediction, OutputChunk, Task
 from .prompts import render_prompt
 
@@ -86,8 +86,8 @@ class OpenAIPredictor(HTTPPredictor):
 
     async def _stream(
         self, ctx: PredictionContext, task: Task, n: int
-    ) -> AsyncIterator[tuple[int, str | None]]:
-        """(choice index, text delta or None when that choice finished)."""
+    ) -> AsyncIterator[tuple[int, str | None, str | None]]:
+        """(choice index, text delta or None, the finish reason once that choice finished)."""
         if self._needs_key():
             self.require_key()
         path, payload = self._payload(ctx, task, n)
@@ -107,10 +107,8 @@ class OpenAIPredictor(HTTPPredictor):
                     text = (choice.get("delta") or {}).get("content")
                 else:
                     text = choice.get("text")
-                if text:
-                    yield index, text
-                if choice.get("finish_reason"):
-                    yield index, None
+                if text or choice.get("finish_reason"):
+                    yield index, text or None, choice.get("finish_reason")
         if not finished:
             raise BackendError(
                 f"openai: the stream from {self.base_url} ended before [DONE] (cut off)"
@@ -120,18 +118,22 @@ class OpenAIPredictor(HTTPPredictor):
         self, ctx: PredictionContext, *, n: int = 1
     ) -> AsyncIterator[NextCellChunk]:
         strippers: dict[int, FenceStripper] = {}
+        shown: dict[int, str] = {}
         done: set[int] = set()
-        async for index, text in self._stream(ctx, "next-cell", max(1, n)):
+        async for index, text, finish in self._stream(ctx, "next-cell", max(1, n)):
             if index in done:
                 continue
             s = strippers.setdefault(index, FenceStripper())
-            if text is None:
-                yield NextCellChunk(index=index, text=s.finish(), done=True)
+            out = s.feed(text) if text else ""
+            if out:
+                shown[index] = shown.get(index, "") + out
+                yield NextCellChunk(index=index, text=out)
+            if finish:
+                # Cut at max_tokens: ended at its last whole statement.
+                whole = shown.get(index, "") + s.finish()
+                final = whole_statements(whole) if finish == "length" else whole
+                yield closing_chunk(index, shown.get(index, ""), final)
                 done.add(index)
-            else:
-                out = s.feed(text)
-                if out:
-                    yield NextCellChunk(index=index, text=out)
         for index, s in strippers.items():
             if index not in done:
                 yield NextCellChunk(index=index, text=s.finish(), done=True)
@@ -140,5 +142,5 @@ class OpenAIPredictor(HTTPPredictor):
 
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         texts = self._stream(ctx, "output", 1)
-        async for chunk in output_chunks(t async for i, t in texts if i == 0 and t is not None):
+        async for chunk in output_chunks(t async for i, t, _ in texts if i == 0 and t is not None):
             yield chunk

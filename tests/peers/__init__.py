@@ -260,6 +260,15 @@ class _Peer:
         size = max(1, self.chunk_size)
         return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
+    def _limited(self, text: str, body: dict[str, Any]) -> tuple[list[str], bool]:
+        """The pieces the answer is streamed in (a piece counts as a token), at most the
+        request's `max_tokens` of them, and whether that limit cut the answer."""
+        pieces = self._pieces(text)
+        limit = body.get("max_tokens")
+        if isinstance(limit, int) and 0 < limit < len(pieces):
+            return pieces[:limit], True
+        return pieces, False
+
     def _pre_fault(self, h: BaseHTTPRequestHandler, fault: Fault | None) -> bool:
         """Apply faults that happen before the answer; True if the request is answered."""
         if fault is None:
@@ -430,7 +439,8 @@ class OpenAIPeer(_Peer):
         for i, text in enumerate(texts):
             if chat:
                 self._send_event(h, chunk(i, "", None, first=True))
-            for piece in self._pieces(text):
+            pieces, cut = self._limited(text, body)
+            for piece in pieces:
                 if fault is not None and fault.kind == "cut" and sent >= fault.after_chunks:
                     return  # the connection closes without [DONE]
                 if fault is not None and fault.kind == "malformed" and sent >= 1:
@@ -448,7 +458,7 @@ class OpenAIPeer(_Peer):
                     time.sleep(fault.delay)
                 self._send_event(h, chunk(i, piece, None))
                 sent += 1
-            self._send_event(h, chunk(i, None if chat else "", "stop"))
+            self._send_event(h, chunk(i, None if chat else "", "length" if cut else "stop"))
         self._send_event(h, "[DONE]")
 
 
@@ -544,7 +554,8 @@ class AnthropicPeer(_Peer):
         self._send_event(h, json.dumps(block), "content_block_start")
         self._send_event(h, json.dumps({"type": "ping"}), "ping")
         sent = 0
-        for piece in self._pieces(text):
+        pieces, cut = self._limited(text, body)
+        for piece in pieces:
             if fault is not None and fault.kind == "cut" and sent >= fault.after_chunks:
                 return
             if fault is not None and fault.kind == "malformed" and sent >= 1:
@@ -570,7 +581,10 @@ class AnthropicPeer(_Peer):
             json.dumps(
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "delta": {
+                        "stop_reason": "max_tokens" if cut else "end_turn",
+                        "stop_sequence": None,
+                    },
                     "usage": {"output_tokens": max(1, sent)},
                 }
             ),
