@@ -912,13 +912,15 @@ def test_manual_trigger_waits_for_the_shortcut(page: Page, lab: JupyterLab) -> N
 def test_timeline_of_a_long_session_shows_its_newest_executions(
     page: Page, lab: JupyterLab
 ) -> None:
-    # An earlier session of this notebook, longer than the timeline shows.
+    # An earlier session of this notebook, longer than the timeline shows. (A name no other
+    # test uses: JupyterLab would connect the notebook to a kernel still running for that path,
+    # and the timeline, refreshed when the kernel connects, would show that kernel's.)
     store = TrajectoryStore(lab.store_path)
-    tid = store.create_trajectory(notebook_path="long.ipynb")
+    tid = store.create_trajectory(notebook_path="long-session.ipynb")
     for i in range(520):
         store.add_execution(tid, {"source": f"step = {i}", "status": "ok", "wall_time": 0.01})
     store.close()
-    open_notebook(page, lab, "long.ipynb", recorded=False)  # no live trajectory of its own
+    open_notebook(page, lab, "long-session.ipynb", recorded=False)  # no live trajectory
     open_panel(page)
     panel = page.locator("#jp-themisto-panel")
     expect(panel).to_contain_text("520 executions recorded (the last 500 shown)")
