@@ -920,7 +920,8 @@ class StoreRedactor:
         self.store = store
         self.pattern = pattern
         self.matcher: DigestMatcher | None = None
-        self._count: tuple[int, int | None] = (-1, None)
+        # (how many hashes, in which store file) when the matcher was made
+        self._seen: tuple[int, int | None] = (-1, None)
         self._cache: dict[str, str] = {}
         # Whether a summary holds a secret, by what identifies its value (blob, fingerprint):
         # an unchanged variable recurs in every snapshot of a trajectory.
@@ -930,14 +931,14 @@ class StoreRedactor:
         """Pick up hashes recorded since the last call (cheap when there are none)."""
         try:
             # (a store file deleted and made anew, with its own key, may hold as many)
-            count = (self.store.secret_digest_count(), getattr(self.store, "file_id", None))
+            seen = (self.store.secret_digest_count(), getattr(self.store, "file_id", None))
         except Exception:
             return
-        if count == self._count:
+        if seen == self._seen:
             return
-        key = load_key(self.store.path, create=False) if count[0] else None
+        key = load_key(self.store.path, create=False) if seen[0] else None
         self.matcher = DigestMatcher(key, self.store.secret_digests()) if key else None
-        self._count = count
+        self._seen = seen
         self._cache.clear()
         self._verdicts.clear()
 

@@ -89,6 +89,15 @@ def leaks(data: bytes | str) -> list[str]:
     return found
 
 
+def files_holding_the_recording(store_path, out) -> tuple[list, object]:
+    """The store's files (not its key: a random key only) and those of a full export of it
+    into `out` (with every blob), and the export's finished process."""
+    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
+    assert done.returncode == 0, done.stderr
+    stored = [f for f in store_path.parent.iterdir() if f.is_file() and f.suffix != ".key"]
+    return stored + [f for f in out.rglob("*") if f.is_file()], done
+
+
 async def test_planted_secrets_leak_nowhere(
     jp_fetch, jp_serverapp, recorded, store_path, peer, caplog, tmp_path
 ):
@@ -151,17 +160,9 @@ async def test_planted_secrets_leak_nowhere(
         assert leaks(b) == [], b[:500]
     assert leaks(caplog.text) == [] and leaks(ext_lines.getvalue()) == []
 
-    # The store's files hold none of them (the key file holds a random key only).
+    # The store's files hold none of them, nor does an export with every blob.
     kernel.settle()
-    for f in store_path.parent.iterdir():
-        if f.is_file() and not f.name.endswith(".key"):
-            assert leaks(f.read_bytes()) == [], f.name
-
-    # Nor does an export with every blob.
-    out = tmp_path / "dump"
-    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
-    assert done.returncode == 0, done.stderr
-    files = [f for f in out.rglob("*") if f.is_file()]
+    files, done = files_holding_the_recording(store_path, tmp_path / "dump")
     assert any(f.parent.name == "blobs" for f in files)
     for f in files:
         assert leaks(f.read_bytes()) == [], f
@@ -235,18 +236,11 @@ def test_a_secret_escaped_for_html_leaks_nowhere(store_path, tmp_path):
     assert rows[3]["outputs"][0]["data"]["text/html"] == "&lt;redacted&gt;"
     assert html_leaks(json.dumps(rows, ensure_ascii=False)) == []
     assert variables["escaped"]["stub_reason"] == SECRET_VALUE_REASON
-    for f in store_path.parent.iterdir():
-        if f.is_file() and not f.name.endswith(".key"):
-            assert html_leaks(f.read_bytes()) == [], f.name
-
-    out = tmp_path / "dump"
-    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
-    assert done.returncode == 0, done.stderr
-    exported = (out / "executions.jsonl").read_text()
+    files, _ = files_holding_the_recording(store_path, tmp_path / "dump")
+    exported = (tmp_path / "dump" / "executions.jsonl").read_text()
     assert "&lt;redacted&gt;" in exported and html_leaks(exported) == []
-    for f in out.rglob("*"):
-        if f.is_file():
-            assert html_leaks(f.read_bytes()) == [], f
+    for f in files:
+        assert html_leaks(f.read_bytes()) == [], f
 
 
 # Built by concatenation: no cell's source holds the value as a literal bound to a name.
@@ -282,12 +276,6 @@ def test_secrets_in_lists_of_records_and_deep_configs_leak_nowhere(store_path, t
     # Records that name no secret are kept as they are.
     assert variables["rows"]["stub_reason"] is None and variables["rows"]["blob_hash"]
     assert nested_leaks(json.dumps(rows, ensure_ascii=False)) == []
-    for f in store_path.parent.iterdir():
-        if f.is_file() and not f.name.endswith(".key"):
-            assert nested_leaks(f.read_bytes()) == [], f.name
-    out = tmp_path / "dump"
-    done = cli("export", "--out", str(out), "--snapshots", "full", store=store_path)
-    assert done.returncode == 0, done.stderr
-    for f in out.rglob("*"):
-        if f.is_file():
-            assert nested_leaks(f.read_bytes()) == [], f
+    files, _ = files_holding_the_recording(store_path, tmp_path / "dump")
+    for f in files:
+        assert nested_leaks(f.read_bytes()) == [], f
