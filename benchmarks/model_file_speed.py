@@ -5,9 +5,12 @@ Each file is run in a process of its own (an engine's idle threads would slow th
 the files alternated, `--runs` times each; each run evaluates a 421-token prompt (this
 project's own source, nothing cached) and generates 32 tokens greedily, `--reps` times, then
 asks for the same prompt plus ~55 tokens (the prefix cached) and times the first chunk. The
-shipped file is joined from the installed slices into a temporary folder.
+shipped file is joined from the installed slices into a temporary folder. `--file NAME=PATH`
+(repeatable) runs other files beside them, e.g. a requantization made with llama.cpp's
+`llama-quantize`; each is compared with the rewrite.
 
     .venv/bin/python benchmarks/model_file_speed.py [--runs 3] [--reps 4] [--threads 2]
+        [--file q4_0=/tmp/q05-Q4_0.gguf]
 """
 
 from __future__ import annotations
@@ -75,8 +78,21 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="another GGUF file to run beside them (repeatable)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one file, one run
     args = parser.parse_args()
+    extra: dict[str, Path] = {}
+    for item in args.file:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not Path(path).expanduser().is_file():
+            parser.error(f"--file wants NAME=PATH of an existing file, not {item!r}")
+        extra[name] = Path(path).expanduser()
     if args.one:
         print(json.dumps(one_run(args.one, args.reps, args.threads)))
         return 0
@@ -84,7 +100,7 @@ def main() -> int:
     rewritten = model_files.ensure_model(spec)
     with tempfile.TemporaryDirectory() as tmp:
         shipped = model_files.assemble(dataclasses.replace(spec, rewrite=None), Path(tmp))
-        files = {"shipped (Q5_0)": shipped, "rewritten (Q8_0)": rewritten}
+        files = {"shipped (Q5_0)": shipped, "rewritten (Q8_0)": rewritten, **extra}
         results: dict[str, list[dict[str, float]]] = {name: [] for name in files}
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
         for run in range(args.runs):
@@ -114,6 +130,9 @@ def main() -> int:
             f"  {key:15s} shipped {a[key]:7.1f} {unit}, rewritten {b[key]:7.1f} {unit}:"
             f" ratio {b[key] / a[key]:.2f}"
         )
+        for name in extra:
+            c = med[name][key]
+            print(f"  {'':15s} {name} {c:7.1f} {unit}: ratio to the rewrite {c / b[key]:.2f}")
     return 0
 
 

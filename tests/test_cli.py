@@ -979,6 +979,63 @@ def test_evaluate_live_setting_with_the_local_model(dump, tmp_path):
     assert any(r["prediction"].strip() for r in rows)
 
 
+def test_evaluate_warm_times_each_suggestion_after_its_warm_up(dump, tmp_path):
+    """`--warm`: the prompt is evaluated ahead (`warm`, as the plugin asks while a cell is typed
+    and runs), untimed; each warmed run is compared with the same run unwarmed."""
+    import asyncio
+
+    from jupyter_themisto.backends.base import NextCellChunk
+    from jupyter_themisto.cli.evaluate import run_examples
+    from jupyter_themisto.dump import DumpContexts, read_manifest, read_table
+
+    manifest = read_manifest(dump)
+    executions = read_table(dump, manifest, "executions")
+    instances = read_table(dump, manifest, "next_cell")[:2]
+    calls: list[str] = []
+
+    class Warmed:
+        async def warm(self, ctx) -> None:
+            calls.append(f"warm {len(ctx.cells)}")
+            await asyncio.sleep(0.4)  # (evaluating a prompt: not the suggestion's time)
+
+        async def predict_next_cell(self, ctx, n=1):
+            calls.append(f"predict {len(ctx.cells)}")
+            yield NextCellChunk(index=0, text="x = 1", done=True)
+
+        async def aclose(self) -> None:
+            pass
+
+    out_file = tmp_path / "run.jsonl"
+    meta = {"task": "next-cell", "backend": "w", "with_runtime": True, "warm": True}
+    contexts = DumpContexts(executions, 3000)
+    batches = [(Warmed, instances)]
+    assert asyncio.run(run_examples(batches, "next-cell", contexts, True, out_file, 1, meta)) == 0
+    n = [len(contexts.build(i, True).cells) for i in instances]
+    assert calls == [f"warm {n[0]}", f"predict {n[0]}", f"warm {n[1]}", f"predict {n[1]}"]
+    rows = [json.loads(x) for x in out_file.open()]
+    assert all(r["warm"] and r["latency"] < 0.4 for r in rows), rows
+
+    # Through the command: a warmed run has a name of its own and is compared with the same
+    # backend's run unwarmed (a backend with nothing to warm is asked as it is).
+    out = tmp_path / "eval"
+    for extra in ([], ["--warm"]):
+        r = cli("evaluate", str(dump), "--backend", "repeat-previous", "--task", "next-cell",
+                "--limit", "4", "--out", str(out), *extra)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    assert (out / "next-cell__repeat-previous__with-runtime__warm.jsonl").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs"]["next-cell__repeat-previous__with-runtime__warm"]["warm"] is True
+    (cmp,) = [c for c in summary["comparisons"] if c["kind"] == "warm"]
+    assert (cmp["a_label"], cmp["b_label"]) == ("repeat-previous", "repeat-previous, warmed")
+    assert cmp["chrf"]["mean"] == 0 and cmp["chrf"]["n"] == 4
+    assert "| trajectory, warmed |" in (out / "results.md").read_text()
+    # Output predictions are not warmed: said, and nothing is run.
+    r = cli("evaluate", str(dump), "--backend", "repeat-previous", "--task", "output",
+            "--warm", "--out", str(tmp_path / "e2"))  # fmt: skip
+    assert r.returncode != 0 and "--warm is for next-cell suggestions" in r.stderr
+    assert not (tmp_path / "e2").exists()
+
+
 def test_notebooks_without_cell_ids_match_by_position(tmp_path):
     """A notebook older than nbformat 4.5 has no cell ids: record and export name its cells by
     position alike, so the live setting still finds the markdown and the cells below."""

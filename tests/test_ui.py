@@ -221,8 +221,9 @@ def suggest_in_new_notebook(page: Page, lab: JupyterLab, name: str):
     return panel.locator(".jp-ThemistoPanel-status")
 
 
-def next_cell_requests(page: Page) -> list[dict]:
-    """The bodies of the next-cell requests the page sends from now on (warm-ups left out)."""
+def next_cell_requests(page: Page, *, warm: bool = False) -> list[dict]:
+    """The bodies of the next-cell requests the page sends from now on: the suggestions asked
+    for, or (`warm`) the warm-ups only."""
     sent: list[dict] = []
 
     def note(request) -> None:
@@ -230,7 +231,7 @@ def next_cell_requests(page: Page) -> list[dict]:
         path = urlsplit(request.url).path
         if request.method == "POST" and path.endswith("/themisto/predict/next-cell"):
             body = request.post_data_json
-            if not body.get("warm"):
+            if bool(body.get("warm")) == warm:
                 sent.append(body)
 
     page.on("request", note)
@@ -289,6 +290,34 @@ def test_ghost_text_is_the_code_models_suggestion(page: Page, model_lab: Jupyter
     active = page.locator(".jp-NotebookPanel:visible .jp-Cell.jp-mod-active")
     expect(active.locator(".cm-content")).to_have_text(suggestion)
     shot(page, "7-model-ghost-text-accepted")
+
+
+def test_a_cell_being_typed_is_read_ahead_at_each_pause(page: Page, lab: JupyterLab) -> None:
+    open_notebook(page, lab, "typing.ipynb")
+    run_cell(page, "values = [1, 2, 3]")
+    warmed = next_cell_requests(page, warm=True)
+    type_in_active_cell(page, "total = sum(val")
+    # Each pause in the typing (a second) sends the cell as written so far, once; typing on
+    # without a pause sends nothing.
+    page.wait_for_timeout(2500)
+    assert [b["cells"][-1]["source"] for b in warmed] == ["total = sum(val"], warmed
+    page.keyboard.type("ues)")
+    page.wait_for_timeout(2500)
+    sources = [b["cells"][-1]["source"] for b in warmed]
+    assert sources == ["total = sum(val", "total = sum(values)"], warmed
+    # The cell ran before: the prompt goes on from it (the cells up to the one being typed).
+    assert [c["source"] for c in warmed[-1]["cells"]] == ["values = [1, 2, 3]", sources[-1]]
+    # The setting off: nothing is read ahead.
+    lab.api("PUT", SETTINGS, {"raw": '{"warmWhileTyping": false, "debounceMs": 30}'})
+    try:
+        open_notebook(page, lab, "typing-off.ipynb")
+        run_cell(page, "values = [1, 2, 3]")
+        warmed = next_cell_requests(page, warm=True)
+        type_in_active_cell(page, "total = sum(val")
+        page.wait_for_timeout(2500)
+        assert warmed == []
+    finally:
+        lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 
 
 def test_panel_lists_suggestions_and_insert_and_run(page: Page, lab: JupyterLab) -> None:

@@ -5,14 +5,19 @@ execution rows with jupyter_themisto.context.build_context, with or without the 
 summary; with --setting live also from the notebook's cells, as the browser sends them: the
 markdown above the target cell and the cells below it) and scores every prediction
 (jupyter_themisto.metrics). In --out DIR (default DUMP/evaluation) it writes, per run (task ×
-backend × with/without runtime × setting): `<task>__<backend>__<runtime>[__live].jsonl`, one
+backend × with/without runtime × setting): `<task>__<backend>__<runtime>[__live][__warm].jsonl`, one
 line per example, appended and flushed as each one finishes, so an interrupted run resumes
 where it stopped (examples already scored are skipped; failed ones are retried). After each
 run it rewrites, from all the runs in DIR, `summary.json`, `results.md` (a Markdown table)
 and `results.png` (each metric per run, with and without runtime side by side). Runs of one
 task and setting are also compared example by example (`compare_runs`): with runtime
-information against without, and each backend against the baselines, with a bootstrap interval
-that says whether a difference is one; the comparisons with the run just made are printed.
+information against without, each backend against the baselines, and a `--warm` run against
+the same run unwarmed, with a bootstrap interval that says whether a difference is one; the
+comparisons with the run just made are printed.
+
+`--warm` (next cell) times each suggestion as the plugin's flow has it: the backend evaluates
+the prompt ahead (`warm`, what the plugin asks for while the cell is typed and while it runs),
+untimed, and the suggestion is asked for after that, within the backend's own time limit.
 """
 
 from __future__ import annotations
@@ -85,6 +90,12 @@ def add_parsers(sub: Any) -> None:
         "with notebook_cells)",
     )
     p.add_argument("--limit", type=int, default=None, metavar="N", help="first N instances only")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="next cell: let the backend evaluate each prompt ahead, untimed, before the "
+        "suggestion is asked for (the plugin warms it while the cell is typed and while it runs)",
+    )
     p.add_argument(
         "--min-context",
         type=int,
@@ -183,9 +194,12 @@ def parse_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def run_name(task: str, backend: str, with_runtime: bool, setting: str = "trajectory") -> str:
+def run_name(
+    task: str, backend: str, with_runtime: bool, setting: str = "trajectory", warm: bool = False
+) -> str:
     name = f"{task}__{backend}__{'with' if with_runtime else 'without'}-runtime"
-    return name if setting == "trajectory" else f"{name}__{setting}"
+    name = name if setting == "trajectory" else f"{name}__{setting}"
+    return f"{name}__warm" if warm else name
 
 
 def _open_results(path: Path) -> dict[str, dict[str, Any]]:
@@ -246,6 +260,8 @@ async def run_examples(
                     nonlocal errors
                     async with sem:
                         ctx = contexts.build(inst, with_runtime)
+                        if meta.get("warm") and callable(getattr(backend, "warm", None)):
+                            await backend.warm(ctx)  # (untimed: done before it is asked)
                         started = time.perf_counter()
                         timed_out = getattr(backend, "timed_out", 0)
                         row: dict[str, Any] = {
@@ -298,6 +314,7 @@ def summarize_run(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         "backend": first.get("backend"),
         "with_runtime": first.get("with_runtime"),
         "setting": first.get("setting", "trajectory"),
+        "warm": bool(first.get("warm")),
         "dump": first.get("dump"),
         "n": len(rows),
         "n_scored": len(scored),
@@ -350,12 +367,20 @@ def compare_runs(
         for a, ra in runs.items():
             if a == b or (ra["task"], ra["setting"]) != (rb["task"], rb["setting"]):
                 continue
-            if ra["backend"] == rb["backend"] and rb["with_runtime"] and not ra["with_runtime"]:
+            warm_a, warm_b = ra.get("warm", False), rb.get("warm", False)
+            same = ra["backend"] == rb["backend"] and ra["with_runtime"] == rb["with_runtime"]
+            if same and warm_b and not warm_a:
+                pairs.append(("warm", a, b))
+            elif warm_a != warm_b:
+                continue
+            elif ra["backend"] == rb["backend"] and rb["with_runtime"] and not ra["with_runtime"]:
                 if rb["backend"] not in BASELINES:  # (they ignore runtime information)
                     pairs.append(("runtime", a, b))
             elif ra["backend"] in BASELINES and rb["backend"] not in BASELINES:
                 # A baseline run with the same runtime flag when there is one (they ignore it).
-                twin = run_name(ra["task"], ra["backend"], rb["with_runtime"], ra["setting"])
+                twin = run_name(
+                    ra["task"], ra["backend"], rb["with_runtime"], ra["setting"], warm_a
+                )
                 if a == twin or twin not in runs:
                     pairs.append(("baseline", a, b))
     out = []
@@ -380,7 +405,7 @@ def _label(run: dict[str, Any]) -> str:
         if run["backend"] in BASELINES
         else (" with runtime" if run["with_runtime"] else " without runtime")
     )
-    return f"{run['backend']}{runtime}"
+    return f"{run['backend']}{runtime}{', warmed' if run.get('warm') else ''}"
 
 
 def comparison_table(comparisons: list[dict[str, Any]]) -> str:
@@ -418,7 +443,7 @@ def markdown_table(runs: dict[str, Any]) -> str:
             s["task"],
             s["backend"],
             "with" if s["with_runtime"] else "without",
-            s.get("setting", "trajectory"),
+            s.get("setting", "trajectory") + (", warmed" if s.get("warm") else ""),
             str(s["n"]),
             str(s["n_errors"]),
         ] + [_fmt(m.get(k)) for k in keys]
@@ -447,7 +472,8 @@ def plot(runs: dict[str, Any], path: Path) -> None:
             xs = [i + (j - (len(mine) - 1) / 2) * width for i in range(len(keys))]
             ys = [s["metrics"].get(k) or 0.0 for k in keys]
             label = f"{s['backend']} ({'with' if s['with_runtime'] else 'without'} runtime"
-            label += ", live)" if s.get("setting") == "live" else ")"
+            label += ", live" if s.get("setting") == "live" else ""
+            label += ", warmed)" if s.get("warm") else ")"
             ax.bar(xs, ys, width, label=label, hatch="" if s["with_runtime"] else "//")
         ax.set_xticks(range(len(keys)), [_METRIC_LABELS[k] for k in keys])
         ax.set_ylim(0, 1)
@@ -464,6 +490,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise CliError(f"unknown task {args.task!r}: expected next-cell or output")
     if args.concurrency < 1:
         raise CliError("--concurrency must be at least 1")
+    if args.warm and args.task != "next-cell":
+        raise CliError("--warm is for next-cell suggestions (output predictions are not warmed)")
     dump = Path(args.dump).expanduser()
     manifest = read_manifest(dump)
     options = parse_options(args.option)
@@ -510,7 +538,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if args.task not in getattr(backend, "tasks", TASKS):
             raise CliError(f"backend {args.backend!r} does not predict {args.task}")
         out_dir.mkdir(parents=True, exist_ok=True)
-        name = run_name(args.task, args.backend, args.with_runtime, args.setting)
+        name = run_name(args.task, args.backend, args.with_runtime, args.setting, args.warm)
         out_file = out_dir / f"{name}.jsonl"
         done = {k for k, r in _open_results(out_file).items() if "error" not in r}
         todo = [i for i in instances if i["id"] not in done]
@@ -523,6 +551,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             "with_runtime": args.with_runtime,
             "setting": args.setting,
             "dump": str(dump),
+            **({"warm": True} if args.warm else {}),
         }
         batches: list[tuple[Callable[[], Any], list[dict[str, Any]]]] = []
         if args.leave_one_out:

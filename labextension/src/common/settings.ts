@@ -17,6 +17,7 @@ export interface IThemistoSettings {
   predictOutputs: boolean;
   withRuntime: boolean;
   timeoutMs: number;
+  warmWhileTyping: boolean;
 }
 
 export const DEFAULT_SETTINGS: IThemistoSettings = {
@@ -28,7 +29,8 @@ export const DEFAULT_SETTINGS: IThemistoSettings = {
   suggestions: 3,
   predictOutputs: false,
   withRuntime: true,
-  timeoutMs: 30000
+  timeoutMs: 30000,
+  warmWhileTyping: true
 };
 
 /** Read the composite settings, falling back to defaults for anything missing. */

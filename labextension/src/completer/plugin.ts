@@ -21,6 +21,9 @@ export const SUGGEST_COMMAND = 'themisto:suggest-next-cell';
 export const ACCEPT_WORD_COMMAND = 'themisto:accept-word';
 export const ACCEPT_LINE_COMMAND = 'themisto:accept-line';
 
+/** A pause in the typing this long lets the backend read the cell being written (warmWhileTyping). */
+export const TYPING_PAUSE_MS = 1000;
+
 /** Whether the notebook has run any code (in this session or as saved). */
 function hasExecutions(panel: NotebookPanel): boolean {
   const model = panel.content.model;
@@ -128,9 +131,58 @@ export function activateNextCell(
     await requestJSON(predictRoute('next-cell'), { method: 'POST', body: JSON.stringify(request) });
   };
 
+  // While a code cell is being written, the backend can read the prompt up to it: warmed at
+  // each pause in the typing, the cell is mostly in a local model's cache when it runs, and the
+  // warm-up as it starts (below) evaluates only what was typed since.
+  let typing: { cell: Cell; timer: number } | null = null;
+  const warmedSource = new WeakMap<Cell, string>();
+  const warmTyped = (cell: Cell) => {
+    const panel = tracker.currentWidget;
+    const source = cell.model.sharedModel.getSource();
+    if (
+      !panel ||
+      panel.content.activeCell !== cell ||
+      !service.settings.warmWhileTyping ||
+      !service.isActiveFor(panel) ||
+      !source.trim() ||
+      warmedSource.get(cell) === source ||
+      // (no executions: nothing to go on from; cells still running: the prompt is not theirs)
+      !hasExecutions(panel) ||
+      pendingOf(panel.content).size > 0
+    ) {
+      return;
+    }
+    warmedSource.set(cell, source);
+    void warm(panel, cell).catch(() => undefined); // the suggestion reports failures
+  };
+  const onTyped = () => {
+    if (typing) {
+      const cell = typing.cell;
+      window.clearTimeout(typing.timer);
+      typing.timer = window.setTimeout(() => warmTyped(cell), TYPING_PAUSE_MS);
+    }
+  };
+  const stopTyping = () => {
+    if (typing) {
+      window.clearTimeout(typing.timer);
+      typing.cell.model.contentChanged.disconnect(onTyped);
+      typing = null;
+    }
+  };
+  tracker.activeCellChanged.connect((_, cell) => {
+    stopTyping();
+    if (cell && cell.model.type === 'code') {
+      typing = { cell, timer: 0 };
+      cell.model.contentChanged.connect(onTyped);
+    }
+  });
+
   NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
     // A cell that starts running makes any next-cell prediction in flight stale.
     provider.cancel();
+    if (typing?.cell === cell) {
+      window.clearTimeout(typing.timer); // (the warm-up below covers what was typed)
+    }
     pendingOf(notebook).add(cell.model.id);
     // While it runs, the model can already read the prompt up to it: the suggestion asked for
     // when it is recorded then evaluates only what the run added.
