@@ -1029,6 +1029,22 @@ def test_evaluate_warm_times_each_suggestion_after_its_warm_up(dump, tmp_path):
     assert (cmp["a_label"], cmp["b_label"]) == ("repeat-previous", "repeat-previous, warmed")
     assert cmp["chrf"]["mean"] == 0 and cmp["chrf"]["n"] == 4
     assert "| trajectory, warmed |" in (out / "results.md").read_text()
+    # A warmed run is compared with the baseline's warmed run when there is one, else with
+    # its other runs (nothing warms a baseline).
+    for folder in (out, tmp_path / "eval-b"):
+        if folder != out:
+            r = cli("evaluate", str(dump), "--backend", "repeat-previous", "--task",
+                    "next-cell", "--limit", "4", "--out", str(folder))  # fmt: skip
+            assert r.returncode == 0, r.stderr
+        r = cli("evaluate", str(dump), "--backend", "retrieval", "--task", "next-cell",
+                "--limit", "4", "--out", str(folder), "--warm")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        summary = json.loads((folder / "summary.json").read_text())
+        labels = {(c["a_label"], c["b_label"]) for c in summary["comparisons"]}
+        unwarmed = ("repeat-previous", "retrieval with runtime, warmed")
+        assert (unwarmed in labels) == (folder != out), labels
+        warmed = ("repeat-previous, warmed", "retrieval with runtime, warmed")
+        assert (warmed in labels) == (folder == out), labels
     # Output predictions are not warmed: said, and nothing is run.
     r = cli("evaluate", str(dump), "--backend", "repeat-previous", "--task", "output",
             "--warm", "--out", str(tmp_path / "e2"))  # fmt: skip

@@ -368,18 +368,17 @@ def compare_runs(
             if a == b or (ra["task"], ra["setting"]) != (rb["task"], rb["setting"]):
                 continue
             warm_a, warm_b = ra.get("warm", False), rb.get("warm", False)
-            same = ra["backend"] == rb["backend"] and ra["with_runtime"] == rb["with_runtime"]
-            if same and warm_b and not warm_a:
-                pairs.append(("warm", a, b))
-            elif warm_a != warm_b:
-                continue
+            if ra["backend"] == rb["backend"] and ra["with_runtime"] == rb["with_runtime"]:
+                if warm_b and not warm_a:
+                    pairs.append(("warm", a, b))
             elif ra["backend"] == rb["backend"] and rb["with_runtime"] and not ra["with_runtime"]:
-                if rb["backend"] not in BASELINES:  # (they ignore runtime information)
+                if rb["backend"] not in BASELINES and warm_a == warm_b:  # (baselines ignore it)
                     pairs.append(("runtime", a, b))
             elif ra["backend"] in BASELINES and rb["backend"] not in BASELINES:
-                # A baseline run with the same runtime flag when there is one (they ignore it).
+                # The baseline's run with the same runtime flag and --warm when there is one
+                # (baselines ignore both); otherwise each of its runs.
                 twin = run_name(
-                    ra["task"], ra["backend"], rb["with_runtime"], ra["setting"], warm_a
+                    ra["task"], ra["backend"], rb["with_runtime"], ra["setting"], warm_b
                 )
                 if a == twin or twin not in runs:
                     pairs.append(("baseline", a, b))
