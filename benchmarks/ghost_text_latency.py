@@ -19,11 +19,18 @@ names and numbers (`--history same`: the very same cells, which the history's co
 answers at once, without the model). With a model backend, a ghost text may first be the early
 answer (the retrieval backend's cell, sent when the model's first text is slower than
 `early_answer_ms`), then the model's suggestion: the script prints when the first ghost text
-appeared, and when the text that stayed began.
+appeared, when the text that stayed began, and where the time went (medians): the cell run
+answered, the next-cell request sent after it, that request's first bytes, the ghost text on
+screen.
+
+Each cell is inserted at once and run at once, unless `--pause S` gives the seconds a person
+pauses between writing a cell and running it: the plugin then reads the typed cell ahead
+(`warmWhileTyping`, at 1 s of no typing), as it does for a person. `--pause 0,4` measures both,
+one lab after the other, for each backend.
 
     .venv/bin/python benchmarks/ghost_text_latency.py [--corpus 4 | --synthetic] [--cells 12]
         [--store PATH] [--backends retrieval,llamacpp] [--history other|same]
-        [--early-answer-ms MS]
+        [--early-answer-ms MS] [--pause 0[,S...]]
 """
 
 from __future__ import annotations
@@ -81,8 +88,15 @@ def main() -> None:
     parser.add_argument(
         "--early-answer-ms", type=float, default=None, help="the server's early_answer_ms"
     )
+    parser.add_argument(
+        "--pause",
+        default="0",
+        help="seconds between writing a cell and running it, comma-separated: each is measured"
+        " (default 0)",
+    )
     add_option_flag(parser, "-o prompt_outputs=last")
     args = parser.parse_args()
+    pauses = [float(p) for p in args.pause.split(",")]
     settings = parse_options(args.option)
     check_installed_build(ROOT)
     repos: list[Path] = []
@@ -118,7 +132,8 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     print("notebooks:", ", ".join(s.name for s in sessions))
     for backend in args.backends.split(","):
-        measure(backend, sessions, history, repos, args.early_answer_ms, settings)
+        for pause in pauses:
+            measure(backend, sessions, history, repos, args.early_answer_ms, settings, pause)
 
 
 def copy_history(source: Path, store: TrajectoryStore, leave_out: set[str]) -> int:
@@ -162,6 +177,52 @@ GHOST_TEXTS_JS = """() => {
 }"""
 
 
+#: When the cell run answers (its prompt shows its execution count), and when each next-cell
+#: request (not a warm-up) is sent and its answer's first bytes come (fetch resolves).
+PHASES_JS = """() => {
+  const log = (window.__themistoPhases = []);
+  if (!window.__themistoFetchTimed) {
+    window.__themistoFetchTimed = true;
+    const fetch = window.fetch;
+    window.fetch = async function (input, init) {
+      const url = typeof input === 'string' ? input : input.url;
+      const body = init && typeof init.body === 'string' ? init.body : '';
+      const asked = url.includes('/themisto/predict/next-cell') && !body.includes('"warm":true');
+      if (asked) window.__themistoPhases.push(['sent', performance.now()]);
+      const response = await fetch.apply(this, arguments);
+      if (asked) window.__themistoPhases.push(['answered', performance.now()]);
+      return response;
+    };
+  }
+  const cells = document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell');
+  const prompt = cells[cells.length - 1].querySelector('.jp-InputPrompt');
+  new MutationObserver((_, observer) => {
+    if (/\\[\\d+\\]/.test(prompt.textContent)) {
+      log.push(['ran', performance.now()]);
+      observer.disconnect();
+    }
+  }).observe(prompt, { subtree: true, childList: true, characterData: true });
+}"""
+
+
+def phases(log: list[list], active: float, ghost: float) -> dict[str, float] | None:
+    """The steps from the new cell to its ghost text (ms): the run answered, the request sent
+    after it, its first bytes, the ghost text on screen."""
+    ran = next((t for name, t in log if name == "ran"), None)
+    if ran is None:
+        return None
+    sent = next((t for name, t in log if name == "sent" and t >= ran), None)
+    answered = next((t for name, t in log if name == "answered" and sent and t >= sent), None)
+    if sent is None or answered is None:
+        return None
+    return {
+        "cell ran": ran - active,
+        "request sent": sent - ran,
+        "first bytes": answered - sent,
+        "ghost text shown": ghost - answered,
+    }
+
+
 def stayed_since(texts: list[list]) -> float:
     """When the ghost text that stayed (the last) began: the first of the run of texts that
     each begin the last one (a replaced early answer does not)."""
@@ -181,6 +242,7 @@ def measure(
     repos: list[Path],
     early_answer_ms: float | None,
     settings: dict[str, Any],
+    pause: float,
 ) -> None:
     argv = [f"--ThemistoExtensionApp.default_backend={backend}"]
     if settings:
@@ -200,6 +262,7 @@ def measure(
         stayed: list[float] = []  # when the ghost text that stayed began
         replaced = 0  # new cells whose first ghost text (an early answer) was replaced
         shown: list[tuple[str, str]] = []  # (cell run, ghost text that stayed)
+        steps: list[dict[str, float] | None] = []  # where each new cell's time went
         misses = 0
         try:
             with sync_playwright() as pw:
@@ -221,8 +284,11 @@ def measure(
                         active.locator(".cm-content").click()
                         # (inserted as a paste is: typed, the editor would indent each line)
                         page.keyboard.insert_text(source)
+                        if pause:
+                            page.wait_for_timeout(pause * 1000)
                         if i > 0:
                             page.evaluate(GHOST_TIMING_JS)
+                            page.evaluate(PHASES_JS)
                             page.evaluate(GHOST_TEXTS_JS)
                         page.keyboard.press("Shift+Enter")
                         prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
@@ -239,6 +305,8 @@ def measure(
                             continue
                         t = page.evaluate("() => window.__themistoTiming")
                         latencies.append(t["ghostAt"] - t["activeAt"])
+                        log = page.evaluate("() => window.__themistoPhases")
+                        steps.append(phases(log, t["activeAt"], t["ghostAt"]))
                         page.wait_for_timeout(6000)  # the whole suggestion (5 s at most)
                         ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")
                         shown.append((source, ghost.first.inner_text() if ghost.count() else ""))
@@ -249,7 +317,8 @@ def measure(
                 browser.close()
         finally:
             lab.stop()
-    print(f"[{backend}] ghost text over {len(latencies)} new cells ({misses} without ghost text):")
+    label = f"{backend}, {pause:g} s pause before each run" if pause else backend
+    print(f"[{label}] ghost text over {len(latencies)} new cells ({misses} without ghost text):")
     if latencies:
         qs = statistics.quantiles(latencies, n=10) if len(latencies) > 1 else latencies * 9
         print(
@@ -263,6 +332,12 @@ def measure(
             f" {qs[-1]:.0f} ms; an early answer shown first and replaced in {replaced} of"
             f" {len(stayed)}"
         )
+    timed = [each for each in steps if each is not None]
+    if timed:
+        spent = ", ".join(
+            f"{name} {statistics.median(each[name] for each in timed):.0f} ms" for name in timed[0]
+        )
+        print(f"  where the time went, medians over {len(timed)} cells: {spent}")
     for source, text in shown[:3]:
         print(f"  after {source!r}: {text!r}")
 

@@ -402,6 +402,52 @@ async def test_warm_evaluates_the_prompt_ahead(model_file):
     assert cached >= answer["usage"]["prompt_tokens"] - 1  # all of it came from the cache
 
 
+async def test_a_warm_up_writes_the_suggestion_ahead_for_the_cell_once_it_ran(model_file):
+    backend = llama(max_tokens=16, parallel=1)
+    ran = session(kernel_id="k")
+    typed = dataclasses.replace(
+        ran, cells=[*ran.cells[:-1], ContextCell(source="print(df.shape)", execution_count=3)]
+    )
+    await backend.warm(typed)  # (evaluate --warm's: nothing written)
+    assert backend.answer_ahead(ran) is None and not backend._writing_ahead
+    await backend.warm(typed, ahead=True)
+    for _ in range(600):
+        if backend.answer_ahead(ran) is not None:
+            break
+        await asyncio.sleep(0.1)
+    written = backend.answer_ahead(ran)
+    # the greedy suggestion for the prompt as typed; it is kept for the cell once it ran
+    assert written and written == (await next_cells(backend, typed))[0]
+    other = dataclasses.replace(ran, cells=[*ran.cells[:-1], ContextCell(source="df.head()")])
+    assert backend.answer_ahead(other) is None  # (another cell ran)
+    assert backend.answer_ahead(dataclasses.replace(ran, kernel_id="other")) is None
+
+
+async def test_a_prediction_stops_the_answer_being_written_ahead(model_file):
+    backend = llama(max_tokens=64, parallel=1)
+    ctx = session(kernel_id="k2")
+    await backend.warm(ctx, ahead=True)
+    (writing,) = [task for _, task in backend._writing_ahead.values()]
+    assert not writing.done()
+    texts = await next_cells(backend, dataclasses.replace(ctx, kernel_id="k3"))
+    assert writing.cancelled() and backend.answer_ahead(ctx) is None
+    assert texts[0]
+
+
+async def test_a_warm_up_a_prediction_overtakes_writes_nothing_ahead(model_file):
+    # Cells run without a pause: the warm-up as a cell starts is still evaluating its prompt
+    # when the suggestion is asked for; writing an answer after it would hold the model.
+    backend = llama(max_tokens=16, parallel=1)
+    ctx = session(kernel_id="k4")
+    ctx.cells.append(ContextCell(source=f"seed = {secrets.randbelow(10**9)}"))  # (not cached)
+    warming = asyncio.ensure_future(backend.warm(ctx, ahead=True))
+    await asyncio.sleep(0.05)
+    assert not warming.done()
+    await next_cells(backend, ctx)
+    await warming
+    assert not backend._writing_ahead and backend.answer_ahead(ctx) is None
+
+
 async def test_a_prompt_with_examples_warmed_before_the_cell_ran_serves_it_after(
     model_file, tmp_path
 ):

@@ -4,6 +4,7 @@ suggestion; a warm request prepares the next one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -17,8 +18,15 @@ from tests.helpers import parse_sse, post, server_config
 
 
 @pytest.fixture
-def jp_server_config(store_path):
-    return server_config(backend_settings={"llamacpp": {"max_tokens": 24}})
+def early_answer_ms():
+    return 50.0
+
+
+@pytest.fixture
+def jp_server_config(store_path, early_answer_ms):
+    return server_config(
+        early_answer_ms=early_answer_ms, backend_settings={"llamacpp": {"max_tokens": 24}}
+    )
 
 
 def test_the_default_is_the_local_model_when_installed(monkeypatch):
@@ -84,8 +92,12 @@ async def test_a_new_user_with_an_empty_store_gets_a_suggestion(jp_fetch, store_
     assert e.value.code == 404 and "no trajectory recorded" in e.value.response.body.decode()
 
 
-def assert_prompt_cached(backend, ctx) -> None:
-    """The next-cell prompt for `ctx` is in the local model's cache, whole."""
+async def assert_prompt_cached(backend, ctx) -> None:
+    """The next-cell prompt for `ctx` is in the local model's cache, whole (asked of the engine
+    directly, once the suggestion the warm-up writes ahead, in the prompt's slot, is stopped)."""
+    backend.stop_ahead()
+    writing = [task for _, task in backend._writing_ahead.values()]
+    await asyncio.gather(*writing, return_exceptions=True)
     from jupyter_themisto.backends._local import Completion
     from jupyter_themisto.backends.prompts import next_cell_prompt
 
@@ -111,11 +123,19 @@ async def test_a_warm_request_prepares_and_answers_nothing(jp_fetch, jp_serverap
     from jupyter_themisto.server.models import NextCellRequest
 
     ctx = manager.browser_context(NextCellRequest.model_validate({**body, "warm": False}))
-    assert_prompt_cached(backend, ctx)
+    await assert_prompt_cached(backend, ctx)
     # A warm request for a backend with nothing to prepare is answered the same way.
     body["backend"] = "retrieval"
     r = await post(jp_fetch, "next-cell", body)
     assert r.code == 204
+
+
+def record(store: TrajectoryStore, kernel_id: str, sources: list[str]) -> str:
+    """A trajectory of kernel `kernel_id` in which `sources` ran; its id."""
+    tid = store.create_trajectory(notebook_path=f"{kernel_id}.ipynb", kernel_id=kernel_id)
+    for i, source in enumerate(sources):
+        store.add_execution(tid, {"source": source, "status": "ok", "execution_count": i + 1})
+    return tid
 
 
 async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_serverapp, store_path):
@@ -123,10 +143,8 @@ async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_ser
     from jupyter_themisto.context import ContextCell
 
     store = TrajectoryStore(store_path)
-    tid = store.create_trajectory(notebook_path="run.ipynb", kernel_id="k-run")
     recorded = ["import numpy as np", "xs = np.arange(10)"]
-    for i, source in enumerate(recorded):
-        store.add_execution(tid, {"source": source, "status": "ok", "execution_count": i + 1})
+    record(store, "k-run", recorded)
     running = "ys = xs ** 2"
     cells = [{"cell_type": "code", "source": s} for s in [*recorded, running]]
     body = {"kernel_id": "k-run", "cells": cells, "warm": True, "with_runtime": False}
@@ -141,5 +159,38 @@ async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_ser
         cells=[ContextCell(source=c["source"], order_index=i) for i, c in enumerate(cells)],
         with_runtime=False,
     )
-    assert_prompt_cached(backend, ctx)
+    await assert_prompt_cached(backend, ctx)
+    store.close()
+
+
+@pytest.mark.parametrize("early_answer_ms", [1.0])
+async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran(
+    jp_fetch, jp_serverapp, store_path
+):
+    """The plugin's warm-up (a cell typed, or starting to run) lets the model write that cell's
+    suggestion ahead; asked for once the cell ran, it is the early answer, and the model's
+    answer to the prompt with the run's output follows."""
+    store = TrajectoryStore(store_path)
+    recorded = ["import numpy as np", "import matplotlib.pyplot as plt"]
+    tid = record(store, "k-ahead", recorded)
+    typed = "xs = np.linspace(0, 10, 100)\nys = np.sin(xs)\nprint(ys.max())"
+    cells = [{"cell_type": "code", "source": s} for s in [*recorded, typed]]
+    body = {"kernel_id": "k-ahead", "cells": cells, "warm": True, "ahead": True}
+    r = await post(jp_fetch, "next-cell", body)
+    assert r.code == 204
+    backend = jp_serverapp.web_app.settings["themisto_manager"].backend(None)
+    for _ in range(600):
+        if "k-ahead" in backend._ahead:
+            break
+        await asyncio.sleep(0.1)
+    (ran, _, written) = backend._ahead["k-ahead"]
+    assert ran == typed and written.strip()
+    output = {"output_type": "stream", "name": "stdout", "text": "0.9999270909904768\n"}
+    store.add_execution(
+        tid, {"source": typed, "status": "ok", "execution_count": 3, "outputs": [output]}
+    )
+    events = parse_sse((await post(jp_fetch, "next-cell", {"kernel_id": "k-ahead"})).body.decode())
+    chunks = [d for name, d in events if name == "chunk" and d["index"] == 0]
+    assert chunks[0] == {"index": 0, "text": written, "done": False}
+    assert any(c["done"] for c in chunks) and events[-1][0] == "done"
     store.close()

@@ -73,6 +73,22 @@ async def test_a_slow_models_text_replaces_the_retrieved_cell_shown_first(jp_fet
     assert len(peer.requests) == 1  # the model was asked all the same
 
 
+async def test_a_models_text_that_goes_on_from_the_early_answer_never_replaces_it(
+    jp_fetch, store, peer
+):
+    # The model writes the retrieved cell and more, 4 characters a chunk: the screen keeps
+    # the early answer while the model's text is its beginning, then gets the rest added.
+    history(store)
+    peer.reply = HISTORY[3] + "\ndf.info()"
+    peer.fail(Fault.hang(1.0))
+    events = parse_sse((await post(jp_fetch, "next-cell", {"kernel_id": "k"})).body.decode())
+    chunks = [d for name, d in events if name == "chunk" and d["index"] == 0]
+    assert chunks[0] == {"index": 0, "text": HISTORY[3], "done": False}
+    assert not any(c.get("replace") for c in chunks)
+    assert "".join(c["text"] for c in chunks[1:]) == "\ndf.info()"
+    assert first_suggestion(events) == peer.reply and chunks[-1]["done"]
+
+
 async def test_the_retrieved_cell_stays_when_the_model_has_nothing(jp_fetch, store, peer):
     history(store)
     peer.reply = ""

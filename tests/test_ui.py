@@ -307,6 +307,11 @@ def test_a_cell_being_typed_is_read_ahead_at_each_pause(page: Page, lab: Jupyter
     assert sources == ["total = sum(val", "total = sum(values)"], warmed
     # The cell ran before: the prompt goes on from it (the cells up to the one being typed).
     assert [c["source"] for c in warmed[-1]["cells"]] == ["values = [1, 2, 3]", sources[-1]]
+    # Each lets a local model write the suggestion ahead; the warm-up as the cell starts
+    # running does not (it stops one being written: the run needs the cores).
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_timeout(1000)
+    assert [b.get("ahead") for b in warmed] == [True, True, False], warmed
     # The setting off: nothing is read ahead.
     lab.api("PUT", SETTINGS, {"raw": '{"warmWhileTyping": false, "debounceMs": 30}'})
     try:

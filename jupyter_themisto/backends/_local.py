@@ -320,6 +320,14 @@ class LocalModelSettings(PromptSettings):
         0.8, ge=0, description="the 2nd… suggestions of a ranked list are sampled at this"
     )
     seed: int = Field(0, description="sampling seed")
+    answer_ahead: bool = Field(
+        True,
+        description="a warm-up the plugin sends while a cell is typed (and after a run no"
+        " suggestion was asked for) also writes the suggestion for that prompt, in the"
+        " background; once the cell has run, it is on screen at once, as the early answer,"
+        " while the model answers the prompt with the run's outputs (stopped the moment anything"
+        " else asks the model, the warm-up as the cell starts running included; see README)",
+    )
     retrieval: RetrievalSettings | None = Field(
         None,
         description="settings of the `retrieval` backend whose cells join a ranked list of"
@@ -351,6 +359,12 @@ class LocalModelPredictor(Predictor):
         self._next_warm: dict[str, PredictionContext] = {}
         #: warm-ups started after a cold answer, by notebook (kept until done)
         self._background: dict[str, asyncio.Future[None]] = {}
+        #: answers written ahead (`answer_ahead`), by notebook: (the cell they follow, their
+        #: prompt, the answer), and the ones being written (the cell they follow, the task)
+        self._ahead: dict[str, tuple[str, str, str]] = {}
+        self._writing_ahead: dict[str, tuple[str, asyncio.Future[None]]] = {}
+        #: predictions begun (a warm-up during which one began writes no answer ahead)
+        self._predictions = 0
 
     def shared(self) -> SharedModel:
         raise NotImplementedError
@@ -555,6 +569,7 @@ class LocalModelPredictor(Predictor):
         keeps its place (it is on screen already) and gets its score. A machine too busy to
         answer within the time gets no further attempts.
         """
+        self._predicting()
         model = await self._model()
         prompt = await self._prompt_with_examples(ctx, model)
         followed = await self._continuation(ctx)
@@ -721,6 +736,7 @@ class LocalModelPredictor(Predictor):
     async def predict_output(self, ctx: PredictionContext) -> AsyncIterator[OutputChunk]:
         if not (ctx.target_source or "").strip():
             raise NoPrediction("there is no cell source to predict the output of")
+        self._predicting()
         job = Completion.of(
             output_prompt(ctx, self.output_prompt_tokens()),
             self.settings.output_max_tokens,
@@ -746,13 +762,19 @@ class LocalModelPredictor(Predictor):
         if not shown:
             raise NoPrediction(f"the {self.name} model predicts no output for this cell")
 
-    async def warm(self, ctx: PredictionContext) -> None:
+    async def warm(self, ctx: PredictionContext, *, ahead: bool = False) -> None:
         """Make the next prediction for `ctx` fast: load the model, and let engines that keep
         a prompt cache evaluate the prompt now (see `prefill`). A prediction for the same
         notebook asked meanwhile waits for this to finish and starts from its cache. Warm-ups
         of one notebook asked while one runs (cells run in a row) are folded: only the newest
-        runs next."""
+        runs next. With `ahead` (and `answer_ahead`), the suggestion for the newest prompt is
+        then written in the background (see `answer_ahead`)."""
         key = notebook_key(ctx)
+        writing = self._writing_ahead.get(key)
+        if ahead and writing is not None and writing[0] == ctx.previous_code():
+            return  # (this very prompt is evaluated, and its answer being written)
+        self.stop_ahead()  # (answers for older prompts: the model is wanted)
+        predictions = self._predictions
         running = self._warming.get(key)
         if running is not None and not running.done():
             self._next_warm[key] = ctx
@@ -760,6 +782,7 @@ class LocalModelPredictor(Predictor):
         model = await self._model()
         next_ctx: PredictionContext | None = ctx
         while next_ctx is not None:
+            ctx = next_ctx
             prompt = await self._prompt_with_examples(next_ctx, model)
             job = Completion.of(prompt, max_tokens=1, slot=self.slot(next_ctx, model))
             model.remember(job.prompt)
@@ -771,6 +794,66 @@ class LocalModelPredictor(Predictor):
                 if self._warming.get(key) is task:
                     del self._warming[key]
             next_ctx = self._next_warm.pop(key, None)
+        previous = ctx.previous_code()
+        if (
+            ahead
+            and self.settings.answer_ahead
+            and previous is not None
+            and self._ahead.get(key, ("", ""))[1] != prompt.text
+            and self._predictions == predictions  # (else a prediction is waiting for the model)
+        ):
+            self._ahead.pop(key, None)  # (written for an earlier state of the notebook)
+            task = asyncio.ensure_future(self._write_ahead(key, previous, prompt, ctx))
+            self._writing_ahead[key] = (previous, task)
+
+            def forget(done: asyncio.Future[None]) -> None:
+                if self._writing_ahead.get(key, ("", None))[1] is done:
+                    del self._writing_ahead[key]
+
+            task.add_done_callback(forget)
+
+    async def _write_ahead(
+        self, key: str, previous: str, prompt: Prompt, ctx: PredictionContext
+    ) -> None:
+        """Write the greedy suggestion for `prompt` (the notebook's cells up to `previous`) and
+        keep it for `answer_ahead`; a prediction asked meanwhile stops it (`stop_ahead`)."""
+        model = await self._model()
+        job = Completion.of(
+            prompt,
+            self.settings.max_tokens,
+            self.settings.temperature,
+            self.settings.seed,
+            time_limit=self.settings.suggestion_timeout,
+            slot=self.slot(ctx, model),
+        )
+        status: dict[str, bool] = {}
+        try:
+            text = "".join([piece async for piece in self._complete(job, status)])
+        except Exception as e:  # noqa: BLE001 - the prediction asked later says what fails
+            self.env.log.debug("%s: no answer ahead: %s", self.name, e)
+            return
+        text = whole_statements(text) if status.get("cut") else text.rstrip()
+        if degenerate_reason(text, previous) is None:
+            self._ahead[key] = (previous, prompt.text, text)
+
+    def answer_ahead(self, ctx: PredictionContext) -> str | None:
+        """The suggestion written ahead for `ctx`'s notebook, if it was written after the cell
+        `ctx` last ran (its prompt had that cell, not its outputs), else None."""
+        kept = self._ahead.get(notebook_key(ctx))
+        if kept is None or kept[0] != ctx.previous_code():
+            return None
+        return kept[2]
+
+    def _predicting(self) -> None:
+        """A prediction starts: answers being written ahead stop, and a warm-up begun before
+        writes none."""
+        self._predictions += 1
+        self.stop_ahead()
+
+    def stop_ahead(self) -> None:
+        """Stop writing answers ahead: the model is wanted."""
+        for _, task in list(self._writing_ahead.values()):
+            task.cancel()
 
     async def _settle(self, ctx: PredictionContext) -> None:
         """Wait (within the suggestion's time) for a warm-up of this notebook still running:

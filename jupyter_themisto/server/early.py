@@ -1,11 +1,14 @@
-"""The early answer: a recorded cell shown while a model's first suggestion is slow to come.
+"""The early answer: a suggestion shown while a model's first suggestion is slow to come.
 
 A model backend's first suggestion can take seconds (a local model loading or reading a cold
 prompt, an answer held back, a remote API's round trip). When nothing of it has come within
-`ThemistoExtensionApp.early_answer_ms`, the server sends the cell the `retrieval` backend
-ranks first (found in milliseconds) as the first suggestion, not done; the model's first text
-for that suggestion then replaces it (a chunk with `replace`), since the models' answers score
-better than retrieval's on the benchmark corpus; when the model has nothing, it stays.
+`ThemistoExtensionApp.early_answer_ms`, the server sends an early answer as the first
+suggestion, not done: the suggestion the model wrote ahead for the cell just run (a local
+model's `answer_ahead`, from the plugin's warm-up, before the run's outputs existed), else the
+cell the `retrieval` backend ranks first (found in milliseconds). The model's text for that
+suggestion then takes its place (a chunk with `replace`) once it departs from it: text that
+only repeats the early answer's beginning changes nothing on screen. When the model has
+nothing, the early answer stays.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ _END = object()
 
 async def with_early_answer(
     chunks: AsyncGenerator[NextCellChunk, None],
-    early: Callable[[], Awaitable[str | None]],
+    early: Callable[[], Awaitable[tuple[str, str] | None]],
     after: float,
 ) -> AsyncIterator[NextCellChunk]:
-    """`chunks`, preceded by `early()`'s cell when no chunk has come within `after` seconds.
+    """`chunks`, preceded by `early()`'s cell (text, source) when no chunk has come within
+    `after` seconds.
 
     `chunks` runs to its end in one task of its own (an HTTP backend's stream must be entered
     and left in one task), closed when this generator is.
@@ -45,15 +49,16 @@ async def with_early_answer(
 
     task = asyncio.ensure_future(pump())
     shown: str | None = None  # the early answer on screen, until the model's replaces it
+    written = ""  # the model's suggestion 0 so far, while the early answer is on screen
     try:
         try:
             item = await asyncio.wait_for(queue.get(), after)
         except asyncio.TimeoutError:
-            shown = await early()
-            if shown is not None and not queue.empty():
-                shown = None  # (the model's text came meanwhile: no early answer to replace)
-            if shown is not None:
-                yield NextCellChunk(index=0, text=shown, metadata={"source": "retrieved"})
+            found = await early()
+            if found is not None and queue.empty():
+                # (else the model's text came meanwhile: no early answer to replace)
+                shown = found[0]
+                yield NextCellChunk(index=0, text=shown, metadata={"source": found[1]})
             item = await queue.get()
         while item is not _END:
             if isinstance(item, Exception):
@@ -61,9 +66,16 @@ async def with_early_answer(
                     break  # the early answer stays
                 raise item
             if shown is not None and item.index == 0 and (item.text or item.done):
-                # (nothing, or the very same cell whole, closes it: it stays as it is)
-                same = not item.text or item.done and item.text == shown
-                item = replace(item, text="") if same else replace(item, replace=True)
+                written = item.text if item.replace else written + item.text
+                if shown.startswith(written) and not item.done:
+                    item = await queue.get()  # (the early answer's beginning: nothing changes)
+                    continue
+                if not written:  # (the model's suggestion closed empty: the early one stays)
+                    item = replace(item, text="", replace=False)
+                elif written.startswith(shown):  # (the same cell, or the same and more)
+                    item = replace(item, text=written[len(shown) :], replace=False)
+                else:
+                    item = replace(item, text=written, replace=True)
                 shown = None
             yield item
             item = await queue.get()

@@ -498,7 +498,7 @@ class ThemistoManager:
             return  # nothing to prepare from
         ctx = await self.in_store_thread(self._warm_context, req, trajectory)
         try:
-            await asyncio.wait_for(warm(ctx), self.prediction_timeout)
+            await asyncio.wait_for(warm(ctx, ahead=req.ahead), self.prediction_timeout)
         except asyncio.TimeoutError:
             self.log.info(
                 "themisto: warming %s took longer than %g s", name, self.prediction_timeout
@@ -545,8 +545,11 @@ class ThemistoManager:
         if isinstance(req, NextCellRequest):
             agen = backend.predict_next_cell(ctx, n=req.n)
             if self.early_answer > 0 and name != "retrieval":
+                # (an answer written ahead is the model's own: shown at once, not after a wait)
+                ahead = getattr(backend, "answer_ahead", None)
+                after = 0.0 if callable(ahead) and ahead(ctx) else self.early_answer
                 agen = with_early_answer(
-                    agen, functools.partial(self._retrieved_first, ctx), self.early_answer
+                    agen, functools.partial(self._early_answer, backend, ctx), after
                 )
         else:
             agen = backend.predict_output(ctx)
@@ -565,16 +568,25 @@ class ThemistoManager:
             raise
         return meta, self._rest(agen, first, deadline, task, name, started)
 
-    async def _retrieved_first(self, ctx: PredictionContext) -> str | None:
-        """The first cell the `retrieval` backend suggests that is worth showing (not the cell
-        just run again, not only comments), or None (the early answer)."""
+    async def _early_answer(
+        self, backend: Predictor, ctx: PredictionContext
+    ) -> tuple[str, str] | None:
+        """The early answer and where it is from: the model's own suggestion written ahead
+        for the cell just run (`answer_ahead`, before its outputs existed), else the first
+        cell the `retrieval` backend suggests that is worth showing (not the cell just run
+        again, not only comments); or None."""
+        ahead = getattr(backend, "answer_ahead", None)
+        written = ahead(ctx) if callable(ahead) else None
+        if written:
+            return written, "ahead"
         previous = ctx.previous_code()
         try:
             found = [c.text async for c in self.backend("retrieval").predict_next_cell(ctx, n=3)]
         except Exception as e:  # noqa: BLE001 - the model answers all the same
             self.log.debug("themisto: no early answer: %s", e)
             return None
-        return next((t for t in found if t and degenerate_reason(t, previous) is None), None)
+        text = next((t for t in found if t and degenerate_reason(t, previous) is None), None)
+        return (text, "retrieved") if text is not None else None
 
     async def _next(self, agen: Any, deadline: float, task: Task) -> Event | None:
         remaining = deadline - time.perf_counter()

@@ -73,6 +73,11 @@ class NextCellRequest(PredictionRequest):
     #: only prepare: let the backend evaluate the prompt now (answered 204, no suggestion), so
     #: that the suggestion asked for later starts at once
     warm: bool = False
+    #: with `warm`: also let a local model write the suggestion for that prompt, in the
+    #: background, as the early answer once the cell has run (the plugin: while a cell is
+    #: typed, and after a run that no suggestion was asked for; not as a cell starts running,
+    #: which stops it instead: the run needs the cores)
+    ahead: bool = False
 
 
 class OutputRequest(PredictionRequest):

@@ -60,6 +60,8 @@ export interface IPredictRequest {
   client_id?: string;
   /** Next cell only: just let the backend prepare (answered 204, nothing streamed). */
   warm?: boolean;
+  /** With `warm`: a local model also writes the suggestion ahead, for the early answer. */
+  ahead?: boolean;
 }
 
 export interface IMetaEvent {

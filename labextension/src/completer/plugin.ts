@@ -112,14 +112,17 @@ export function activateNextCell(
   /**
    * Let the backend evaluate the prompt for a cell after `cell` now, while the person reads
    * the output: the suggestion asked for later (a new cell, Alt+\\) then starts at once.
+   * With `ahead`, a local model also writes that suggestion meanwhile, for the early answer:
+   * not as a cell starts running (that warm-up stops it: the run needs the cores).
    */
-  const warm = async (panel: NotebookPanel, cell: Cell) => {
+  const warm = async (panel: NotebookPanel, cell: Cell, ahead = false) => {
     const model = panel.content.model;
     if (!model) {
       return;
     }
     const request = service.baseRequest(panel, 'next-cell');
     request.warm = true;
+    request.ahead = ahead;
     request.cells = [];
     for (let i = 0; i < model.cells.length; i++) {
       const each = model.cells.get(i);
@@ -153,7 +156,7 @@ export function activateNextCell(
       return;
     }
     warmedSource.set(cell, source);
-    void warm(panel, cell).catch(() => undefined); // the suggestion reports failures
+    void warm(panel, cell, true).catch(() => undefined); // the suggestion reports failures
   };
   const onTyped = () => {
     if (typing) {
@@ -195,6 +198,7 @@ export function activateNextCell(
     const set = pendingOf(notebook);
     set.delete(cell.model.id);
     if (set.size === 0 && waiting && waiting.panel.content === notebook) {
+      provider.answerNow(waiting.cell.model.id); // (no debounce: the run is over)
       invokeWhenAnswered(waiting.panel, waiting.cell);
       return;
     }
@@ -208,7 +212,7 @@ export function activateNextCell(
     if (active && !active.model.sharedModel.getSource().trim()) {
       return; // an empty cell: its suggestion does the work
     }
-    void warm(panel, cell).catch(() => undefined); // the suggestion reports failures
+    void warm(panel, cell, true).catch(() => undefined); // the suggestion reports failures
   });
 
   commands.addCommand(SUGGEST_COMMAND, {

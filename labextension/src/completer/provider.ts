@@ -67,6 +67,14 @@ export class NextCellProvider implements IInlineCompletionProvider {
     this._service = options.service;
   }
 
+  /**
+   * Ask for the next suggestion in cell `cell` (a cell's model id) without the debounce: the
+   * cell above it just ran, so the person is not moving through cells.
+   */
+  answerNow(cell: string): void {
+    this._now = cell;
+  }
+
   /** Cancel the request in flight, if any (a newer cell became active, or a cell ran). */
   cancel(): void {
     this._controller?.abort();
@@ -91,7 +99,9 @@ export class NextCellProvider implements IInlineCompletionProvider {
     this.cancel();
     const controller = new AbortController();
     this._controller = controller;
-    const debounce = this._service.settings.debounceMs;
+    const now = this._now === cell;
+    this._now = null;
+    const debounce = now ? 0 : this._service.settings.debounceMs;
     if (debounce > 0) {
       await new Promise(resolve => setTimeout(resolve, debounce));
       if (controller.signal.aborted) {
@@ -207,6 +217,8 @@ export class NextCellProvider implements IInlineCompletionProvider {
   /** The suggestion asked for last, and the cell it was asked for in (a cell's model id). */
   private _shown: { cell: string; stream: TextStream } | null = null;
   private _counter = 0;
+  /** The cell whose next suggestion is asked for without the debounce (`answerNow`). */
+  private _now: string | null = null;
 }
 
 export namespace NextCellProvider {
