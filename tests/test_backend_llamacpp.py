@@ -44,6 +44,7 @@ from jupyter_themisto.backends.prompts import (
 )
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, parse_cell
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import wait_for
 
 #: A prompt the model continues for long: counting, with no cell boundary in sight.
 ENDLESS = "# %%\nnumbers = [\n    1,\n    2,\n    3,\n"
@@ -411,11 +412,7 @@ async def test_a_warm_up_writes_the_suggestion_ahead_for_the_cell_once_it_ran(mo
     await backend.warm(typed)  # (evaluate --warm's: nothing written)
     assert backend.answer_ahead(ran) is None and not backend._writing_ahead
     await backend.warm(typed, ahead=True)
-    for _ in range(600):
-        if backend.answer_ahead(ran) is not None:
-            break
-        await asyncio.sleep(0.1)
-    written = backend.answer_ahead(ran)
+    written = await wait_for(lambda: backend.answer_ahead(ran))
     # the greedy suggestion for the prompt as typed; it is kept for the cell once it ran
     assert written and written == (await next_cells(backend, typed))[0]
     other = dataclasses.replace(ran, cells=[*ran.cells[:-1], ContextCell(source="df.head()")])
@@ -427,7 +424,7 @@ async def test_a_prediction_stops_the_answer_being_written_ahead(model_file):
     backend = llama(max_tokens=64, parallel=1)
     ctx = session(kernel_id="k2")
     await backend.warm(ctx, ahead=True)
-    (writing,) = [task for _, task in backend._writing_ahead.values()]
+    (writing,) = backend._writing_ahead.values()
     assert not writing.done()
     texts = await next_cells(backend, dataclasses.replace(ctx, kernel_id="k3"))
     assert writing.cancelled() and backend.answer_ahead(ctx) is None

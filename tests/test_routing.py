@@ -14,7 +14,7 @@ from jupyter_themisto.backends import default_backend_name, model_files
 from jupyter_themisto.backends._local import loaded_models
 from jupyter_themisto.backends.llamacpp import local_model_installed
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import parse_sse, post, server_config
+from tests.helpers import parse_sse, post, server_config, wait_for
 
 
 @pytest.fixture
@@ -96,8 +96,7 @@ async def assert_prompt_cached(backend, ctx) -> None:
     """The next-cell prompt for `ctx` is in the local model's cache, whole (asked of the engine
     directly, once the suggestion the warm-up writes ahead, in the prompt's slot, is stopped)."""
     backend.stop_ahead()
-    writing = [task for _, task in backend._writing_ahead.values()]
-    await asyncio.gather(*writing, return_exceptions=True)
+    await asyncio.gather(*backend._writing_ahead.values(), return_exceptions=True)
     from jupyter_themisto.backends._local import Completion
     from jupyter_themisto.backends.prompts import next_cell_prompt
 
@@ -179,11 +178,7 @@ async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran
     r = await post(jp_fetch, "next-cell", body)
     assert r.code == 204
     backend = jp_serverapp.web_app.settings["themisto_manager"].backend(None)
-    for _ in range(600):
-        if "k-ahead" in backend._ahead:
-            break
-        await asyncio.sleep(0.1)
-    (ran, _, written) = backend._ahead["k-ahead"]
+    (ran, _, written) = await wait_for(lambda: backend._ahead.get("k-ahead"))
     assert ran == typed and written.strip()
     output = {"output_type": "stream", "name": "stdout", "text": "0.9999270909904768\n"}
     store.add_execution(

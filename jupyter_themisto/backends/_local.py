@@ -360,9 +360,9 @@ class LocalModelPredictor(Predictor):
         #: warm-ups started after a cold answer, by notebook (kept until done)
         self._background: dict[str, asyncio.Future[None]] = {}
         #: answers written ahead (`answer_ahead`), by notebook: (the cell they follow, their
-        #: prompt, the answer), and the ones being written (the cell they follow, the task)
+        #: prompt, the answer), and the ones being written
         self._ahead: dict[str, tuple[str, str, str]] = {}
-        self._writing_ahead: dict[str, tuple[str, asyncio.Future[None]]] = {}
+        self._writing_ahead: dict[str, asyncio.Future[None]] = {}
         #: predictions begun (a warm-up during which one began writes no answer ahead)
         self._predictions = 0
 
@@ -486,11 +486,7 @@ class LocalModelPredictor(Predictor):
         # for it in `_settle`) instead of answering cold again.
         model.remember(prompt.prefix)
         key = notebook_key(ctx)
-        task = asyncio.ensure_future(self.warm(ctx))
-        self._background[key] = task
-        task.add_done_callback(
-            lambda done: self._background.pop(key) if self._background.get(key) is done else None
-        )
+        _keep(self._background, key, asyncio.ensure_future(self.warm(ctx)))
 
     async def _model(self) -> SharedModel:
         # Loading takes long enough (a model file, weights) to keep it off the event loop.
@@ -770,9 +766,6 @@ class LocalModelPredictor(Predictor):
         runs next. With `ahead` (and `answer_ahead`), the suggestion for the newest prompt is
         then written in the background (see `answer_ahead`)."""
         key = notebook_key(ctx)
-        writing = self._writing_ahead.get(key)
-        if ahead and writing is not None and writing[0] == ctx.previous_code():
-            return  # (this very prompt is evaluated, and its answer being written)
         self.stop_ahead()  # (answers for older prompts: the model is wanted)
         predictions = self._predictions
         running = self._warming.get(key)
@@ -803,14 +796,8 @@ class LocalModelPredictor(Predictor):
             and self._predictions == predictions  # (else a prediction is waiting for the model)
         ):
             self._ahead.pop(key, None)  # (written for an earlier state of the notebook)
-            task = asyncio.ensure_future(self._write_ahead(key, previous, prompt, ctx))
-            self._writing_ahead[key] = (previous, task)
-
-            def forget(done: asyncio.Future[None]) -> None:
-                if self._writing_ahead.get(key, ("", None))[1] is done:
-                    del self._writing_ahead[key]
-
-            task.add_done_callback(forget)
+            writing = asyncio.ensure_future(self._write_ahead(key, previous, prompt, ctx))
+            _keep(self._writing_ahead, key, writing)
 
     async def _write_ahead(
         self, key: str, previous: str, prompt: Prompt, ctx: PredictionContext
@@ -852,7 +839,7 @@ class LocalModelPredictor(Predictor):
 
     def stop_ahead(self) -> None:
         """Stop writing answers ahead: the model is wanted."""
-        for _, task in list(self._writing_ahead.values()):
+        for task in list(self._writing_ahead.values()):
             task.cancel()
 
     async def _settle(self, ctx: PredictionContext) -> None:
@@ -868,6 +855,12 @@ class LocalModelPredictor(Predictor):
 
     def prefill(self, model: SharedModel, job: Completion) -> None:
         """Evaluate `job.prompt` into the engine's prompt cache, if it has one."""
+
+
+def _keep(tasks: dict[str, asyncio.Future[None]], key: str, task: asyncio.Future[None]) -> None:
+    """Keep `task` in `tasks` under `key` until it is done (unless a newer one took its place)."""
+    tasks[key] = task
+    task.add_done_callback(lambda done: tasks.pop(key) if tasks.get(key) is done else None)
 
 
 def notebook_key(ctx: PredictionContext) -> str:

@@ -545,11 +545,12 @@ class ThemistoManager:
         if isinstance(req, NextCellRequest):
             agen = backend.predict_next_cell(ctx, n=req.n)
             if self.early_answer > 0 and name != "retrieval":
-                # (an answer written ahead is the model's own: shown at once, not after a wait)
                 ahead = getattr(backend, "answer_ahead", None)
-                after = 0.0 if callable(ahead) and ahead(ctx) else self.early_answer
+                written = ahead(ctx) if callable(ahead) else None
+                # (an answer written ahead is the model's own: shown at once, not after a wait)
+                after = 0.0 if written else self.early_answer
                 agen = with_early_answer(
-                    agen, functools.partial(self._early_answer, backend, ctx), after
+                    agen, functools.partial(self._early_answer, written, ctx), after
                 )
         else:
             agen = backend.predict_output(ctx)
@@ -569,14 +570,12 @@ class ThemistoManager:
         return meta, self._rest(agen, first, deadline, task, name, started)
 
     async def _early_answer(
-        self, backend: Predictor, ctx: PredictionContext
+        self, written: str | None, ctx: PredictionContext
     ) -> tuple[str, str] | None:
-        """The early answer and where it is from: the model's own suggestion written ahead
-        for the cell just run (`answer_ahead`, before its outputs existed), else the first
-        cell the `retrieval` backend suggests that is worth showing (not the cell just run
-        again, not only comments); or None."""
-        ahead = getattr(backend, "answer_ahead", None)
-        written = ahead(ctx) if callable(ahead) else None
+        """The early answer and where it is from: `written`, the model's own suggestion
+        written ahead for the cell just run (`answer_ahead`, before its outputs existed), else
+        the first cell the `retrieval` backend suggests that is worth showing (not the cell
+        just run again, not only comments); or None."""
         if written:
             return written, "ahead"
         previous = ctx.previous_code()
