@@ -73,6 +73,7 @@ class Session:
     name: str
     folder: str
     cells: list[str]
+    path: str = ""  # the notebook's resolved path, for a corpus notebook
 
 
 def main() -> None:
@@ -111,18 +112,8 @@ def main() -> None:
                 store.add_execution(tid, {"source": source, "status": "ok", "outputs": []})
 
     else:
-        import corpus
-
-        dest = corpus.default_dest()
-        paths = corpus.spread(args.corpus, min_cells=args.cells)
-        sessions = []
-        for path in paths:
-            key = corpus.notebook_key(path)
-            repo = corpus.repo_dir(dest, corpus.repo_of(key))
-            repos.append(repo)
-            folder = path.parent.resolve().relative_to(dest.resolve())
-            sessions.append(Session(key, str(folder), corpus.code_cells(path)[: args.cells]))
-        measured = {str(p.resolve()) for p in paths}
+        sessions, repos = corpus_sessions(args.corpus, args.cells)
+        measured = {s.path for s in sessions}
 
         def history(store: TrajectoryStore) -> None:
             if args.store is not None:
@@ -134,6 +125,23 @@ def main() -> None:
     for backend in args.backends.split(","):
         for pause in pauses:
             measure(backend, sessions, history, repos, args.early_answer_ms, settings, pause)
+
+
+def corpus_sessions(n: int, cells: int) -> tuple[list[Session], list[Path]]:
+    """The first `cells` code cells of `n` benchmark corpus notebooks from `n` repositories
+    (`corpus.spread`), each to run in its folder; and those repositories' copies."""
+    import corpus
+
+    dest = corpus.default_dest()
+    sessions, repos = [], []
+    for path in corpus.spread(n, min_cells=cells):
+        key = corpus.notebook_key(path)
+        repos.append(corpus.repo_dir(dest, corpus.repo_of(key)))
+        folder = path.parent.resolve().relative_to(dest.resolve())
+        sessions.append(
+            Session(key, str(folder), corpus.code_cells(path)[:cells], str(path.resolve()))
+        )
+    return sessions, repos
 
 
 def copy_history(source: Path, store: TrajectoryStore, leave_out: set[str]) -> int:

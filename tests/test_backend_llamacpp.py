@@ -22,6 +22,7 @@ from jupyter_themisto.backends import (
     BackendEnv,
     BackendUnavailable,
     NoPrediction,
+    _local,
     create_backend,
 )
 from jupyter_themisto.backends._local import (
@@ -418,6 +419,20 @@ async def test_a_warm_up_writes_the_suggestion_ahead_for_the_cell_once_it_ran(mo
     other = dataclasses.replace(ran, cells=[*ran.cells[:-1], ContextCell(source="df.head()")])
     assert backend.answer_ahead(other) is None  # (another cell ran)
     assert backend.answer_ahead(dataclasses.replace(ran, kernel_id="other")) is None
+
+
+async def test_answers_written_ahead_are_kept_for_the_newest_notebooks(model_file, monkeypatch):
+    monkeypatch.setattr(_local, "AHEAD_KEPT", 2)
+    backend = llama(max_tokens=8, parallel=1)
+    # n1's second answer, for another cell, makes it the newest but one: n2 is dropped.
+    runs = [("n1", "print(df.shape)"), ("n2", "df.describe()"), ("n1", "df.head()")]
+    for kernel, source in [*runs, ("n3", "df.columns")]:
+        ctx = session(kernel_id=kernel)
+        ctx.cells[-1] = ContextCell(source=source)
+        await backend.warm(ctx, ahead=True)
+        await wait_for(lambda ctx=ctx: backend.answer_ahead(ctx))
+    assert list(backend._ahead) == ["n1", "n3"]
+    assert backend._ahead["n1"][0] == "df.head()"
 
 
 async def test_a_prediction_stops_the_answer_being_written_ahead(model_file):

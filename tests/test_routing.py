@@ -162,6 +162,32 @@ async def test_a_warm_request_as_a_cell_starts_covers_that_cell(jp_fetch, jp_ser
     store.close()
 
 
+async def test_typing_on_stops_the_suggestion_being_written_ahead(
+    jp_fetch, jp_serverapp, store_path
+):
+    """The plugin's `stop_ahead`, sent when the typing goes on after a warm-up with `ahead`:
+    the suggestion for the cell as it was stops at the next token, and none is kept."""
+    store = TrajectoryStore(store_path)
+    recorded = ["import numpy as np"]
+    record(store, "k-stop", recorded)
+    cells = [{"cell_type": "code", "source": s} for s in [*recorded, "xs = np.arange(10)"]]
+    body = {"kernel_id": "k-stop", "cells": cells, "warm": True, "ahead": True}
+    assert (await post(jp_fetch, "next-cell", body)).code == 204
+    backend = jp_serverapp.web_app.settings["themisto_manager"].backend(None)
+    (writing,) = backend._writing_ahead.values()
+    r = await post(jp_fetch, "next-cell", {"kernel_id": "k-stop", "stop_ahead": True})
+    assert r.code == 204 and not r.body
+    await asyncio.gather(writing, return_exceptions=True)
+    assert writing.cancelled() and "k-stop" not in backend._ahead
+    # It asks for nothing else: combined with a warm-up, a clear error.
+    for extra in ({"warm": True}, {"ahead": True}):
+        with pytest.raises(HTTPClientError) as e:
+            await post(jp_fetch, "next-cell", {"kernel_id": "k-stop", "stop_ahead": True, **extra})
+        assert e.value.code == 400
+        assert "stop_ahead asks for nothing else" in e.value.response.body.decode()
+    store.close()
+
+
 @pytest.mark.parametrize("early_answer_ms", [1.0])
 async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran(
     jp_fetch, jp_serverapp, store_path

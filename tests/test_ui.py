@@ -221,9 +221,9 @@ def suggest_in_new_notebook(page: Page, lab: JupyterLab, name: str):
     return panel.locator(".jp-ThemistoPanel-status")
 
 
-def next_cell_requests(page: Page, *, warm: bool = False) -> list[dict]:
+def next_cell_requests(page: Page, *, warm: bool = False, stop: bool = False) -> list[dict]:
     """The bodies of the next-cell requests the page sends from now on: the suggestions asked
-    for, or (`warm`) the warm-ups only."""
+    for, or (`warm`) the warm-ups only, or (`stop`) the requests to stop writing ahead."""
     sent: list[dict] = []
 
     def note(request) -> None:
@@ -231,7 +231,7 @@ def next_cell_requests(page: Page, *, warm: bool = False) -> list[dict]:
         path = urlsplit(request.url).path
         if request.method == "POST" and path.endswith("/themisto/predict/next-cell"):
             body = request.post_data_json
-            if bool(body.get("warm")) == warm:
+            if (bool(body.get("warm")), bool(body.get("stop_ahead"))) == (warm, stop):
                 sent.append(body)
 
     page.on("request", note)
@@ -296,13 +296,17 @@ def test_a_cell_being_typed_is_read_ahead_at_each_pause(page: Page, lab: Jupyter
     open_notebook(page, lab, "typing.ipynb")
     run_cell(page, "values = [1, 2, 3]")
     warmed = next_cell_requests(page, warm=True)
+    stopped = next_cell_requests(page, stop=True)
     type_in_active_cell(page, "total = sum(val")
     # Each pause in the typing (a second) sends the cell as written so far, once; typing on
     # without a pause sends nothing.
     page.wait_for_timeout(2500)
     assert [b["cells"][-1]["source"] for b in warmed] == ["total = sum(val"], warmed
+    assert stopped == []
     page.keyboard.type("ues)")
     page.wait_for_timeout(2500)
+    # Typing on stopped the suggestion being written for the cell as it was, once.
+    assert len(stopped) == 1 and stopped[0]["kernel_id"] == warmed[0]["kernel_id"], stopped
     sources = [b["cells"][-1]["source"] for b in warmed]
     assert sources == ["total = sum(val", "total = sum(values)"], warmed
     # The cell ran before: the prompt goes on from it (the cells up to the one being typed).
@@ -312,15 +316,19 @@ def test_a_cell_being_typed_is_read_ahead_at_each_pause(page: Page, lab: Jupyter
     page.keyboard.press("Shift+Enter")
     page.wait_for_timeout(1000)
     assert [b.get("ahead") for b in warmed] == [True, True, False], warmed
+    assert len(stopped) == 1, stopped  # (a run is no typing: its warm-up stops the writing)
     # The setting off: nothing is read ahead.
     lab.api("PUT", SETTINGS, {"raw": '{"warmWhileTyping": false, "debounceMs": 30}'})
     try:
         open_notebook(page, lab, "typing-off.ipynb")
         run_cell(page, "values = [1, 2, 3]")
         warmed = next_cell_requests(page, warm=True)
+        stopped = next_cell_requests(page, stop=True)
         type_in_active_cell(page, "total = sum(val")
         page.wait_for_timeout(2500)
-        assert warmed == []
+        page.keyboard.type("ues)")
+        page.wait_for_timeout(500)
+        assert warmed == [] and stopped == []
     finally:
         lab.api("PUT", SETTINGS, {"raw": '{"debounceMs": 30}'})
 

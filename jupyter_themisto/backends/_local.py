@@ -48,6 +48,9 @@ from .ranking import Candidate, normalized, rank, with_each_source
 from .retrieval import RetrievalPredictor, RetrievalSettings
 from .settings import BackendSettings
 
+#: Notebooks whose answer written ahead is kept (the most recently written).
+AHEAD_KEPT = 64
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -360,8 +363,8 @@ class LocalModelPredictor(Predictor):
         #: warm-ups started after a cold answer, by notebook (kept until done)
         self._background: dict[str, asyncio.Future[None]] = {}
         #: answers written ahead (`answer_ahead`), by notebook: (the cell they follow, their
-        #: prompt, the answer), and the ones being written
-        self._ahead: dict[str, tuple[str, str, str]] = {}
+        #: prompt, the answer; the `AHEAD_KEPT` newest), and the ones being written
+        self._ahead: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
         self._writing_ahead: dict[str, asyncio.Future[None]] = {}
         #: predictions begun (a warm-up during which one began writes no answer ahead)
         self._predictions = 0
@@ -822,6 +825,9 @@ class LocalModelPredictor(Predictor):
         text = whole_statements(text) if status.get("cut") else text.rstrip()
         if degenerate_reason(text, previous) is None:
             self._ahead[key] = (previous, prompt.text, text)
+            self._ahead.move_to_end(key)
+            while len(self._ahead) > AHEAD_KEPT:  # (notebooks closed long ago)
+                self._ahead.popitem(last=False)
 
     def answer_ahead(self, ctx: PredictionContext) -> str | None:
         """The suggestion written ahead for `ctx`'s notebook, if it was written after the cell

@@ -168,9 +168,9 @@ class PredictHandler(ThemistoHandler):
     @authorized
     async def post(self) -> None:
         req = self.parse()
-        if isinstance(req, NextCellRequest) and req.warm:
+        if isinstance(req, NextCellRequest) and (req.warm or req.stop_ahead):
             with http_errors():
-                await self.manager.warm(req)
+                await (self.manager.stop_ahead if req.stop_ahead else self.manager.warm)(req)
             self.set_status(204)
             self.finish()
             return

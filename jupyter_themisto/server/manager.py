@@ -504,6 +504,13 @@ class ThemistoManager:
                 "themisto: warming %s took longer than %g s", name, self.prediction_timeout
             )
 
+    async def stop_ahead(self, req: NextCellRequest) -> None:
+        """Stop what the backend is writing ahead (`answer_ahead`); backends that write
+        nothing ahead do nothing."""
+        stop = getattr(self.backend(req.backend or self.default_backend), "stop_ahead", None)
+        if callable(stop):
+            stop()
+
     def _warm_context(
         self, req: NextCellRequest, trajectory: dict[str, Any] | None
     ) -> PredictionContext:

@@ -78,6 +78,16 @@ class NextCellRequest(PredictionRequest):
     #: typed, and after a run that no suggestion was asked for; not as a cell starts running,
     #: which stops it instead: the run needs the cores)
     ahead: bool = False
+    #: only stop what a local model is writing ahead (answered 204, nothing evaluated): the
+    #: plugin sends it when the typing goes on after a warm-up with `ahead`, whose prompt, the
+    #: cell as it was, is then gone; the writing would only take the cores from the typing
+    stop_ahead: bool = False
+
+    @model_validator(mode="after")
+    def _stop_alone(self) -> NextCellRequest:
+        if self.stop_ahead and (self.warm or self.ahead):
+            raise ValueError("stop_ahead asks for nothing else: not with warm or ahead")
+        return self
 
 
 class OutputRequest(PredictionRequest):

@@ -62,6 +62,8 @@ export interface IPredictRequest {
   warm?: boolean;
   /** With `warm`: a local model also writes the suggestion ahead, for the early answer. */
   ahead?: boolean;
+  /** Only stop what a local model writes ahead (the typing went on after a warm-up with `ahead`). */
+  stop_ahead?: boolean;
 }
 
 export interface IMetaEvent {

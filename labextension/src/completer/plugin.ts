@@ -115,10 +115,19 @@ export function activateNextCell(
    * With `ahead`, a local model also writes that suggestion meanwhile, for the early answer:
    * not as a cell starts running (that warm-up stops it: the run needs the cores).
    */
+  // Notebooks sent a warm-up with `ahead`: their active cell and its source then.
+  const writingAhead = new WeakMap<object, { cell: Cell | null; source: string }>();
   const warm = async (panel: NotebookPanel, cell: Cell, ahead = false) => {
     const model = panel.content.model;
     if (!model) {
       return;
+    }
+    if (ahead) {
+      const active = panel.content.activeCell;
+      const source = active?.model.sharedModel.getSource() ?? '';
+      writingAhead.set(panel.content, { cell: active, source });
+    } else {
+      writingAhead.delete(panel.content); // (a warm-up without it stops the writing)
     }
     const request = service.baseRequest(panel, 'next-cell');
     request.warm = true;
@@ -158,9 +167,33 @@ export function activateNextCell(
     warmedSource.set(cell, source);
     void warm(panel, cell, true).catch(() => undefined); // the suggestion reports failures
   };
+  /**
+   * The typing goes on after a warm-up with `ahead`: the suggestion being written is for the
+   * cell as it was, which will not run; stop it, it would only take the cores from the typing.
+   */
+  const stopWritingAhead = (cell: Cell) => {
+    const panel = tracker.currentWidget;
+    const since = panel && writingAhead.get(panel.content);
+    if (
+      !panel ||
+      !since ||
+      // (not a change of its source: its outputs, its execution count)
+      (since.cell === cell && since.source === cell.model.sharedModel.getSource())
+    ) {
+      return;
+    }
+    writingAhead.delete(panel.content);
+    const request = service.baseRequest(panel, 'next-cell');
+    request.stop_ahead = true;
+    void requestJSON(predictRoute('next-cell'), {
+      method: 'POST',
+      body: JSON.stringify(request)
+    }).catch(() => undefined); // (nothing is lost if it fails: the next warm-up stops it too)
+  };
   const onTyped = () => {
     if (typing) {
       const cell = typing.cell;
+      stopWritingAhead(cell);
       window.clearTimeout(typing.timer);
       typing.timer = window.setTimeout(() => warmTyped(cell), TYPING_PAUSE_MS);
     }
