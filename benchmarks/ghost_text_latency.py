@@ -44,7 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ from urllib.parse import quote
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
 
 from jupyter_themisto.cli.evaluate import add_option_flag, parse_options  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
@@ -252,79 +253,56 @@ def measure(
     settings: dict[str, Any],
     pause: float,
 ) -> None:
-    argv = [f"--ThemistoExtensionApp.default_backend={backend}"]
-    if settings:
-        argv.append(f"--ThemistoExtensionApp.backend_settings={json.dumps({backend: settings})}")
+    extra = []
     if early_answer_ms is not None:
-        argv.append(f"--ThemistoExtensionApp.early_answer_ms={early_answer_ms}")
-    with tempfile.TemporaryDirectory() as tmp:
-        lab = JupyterLab(Path(tmp), argv)
-        lab.store_path.parent.mkdir(parents=True)
-        for repo in repos:
-            # (a copy: the cells may write files next to their data)
-            shutil.copytree(repo, lab.root / repo.name, symlinks=True, dirs_exist_ok=True)
-        store = TrajectoryStore(lab.store_path)
-        history(store)
-        lab.start()
-        latencies: list[float] = []
-        stayed: list[float] = []  # when the ghost text that stayed began
-        replaced = 0  # new cells whose first ghost text (an early answer) was replaced
-        shown: list[tuple[str, str]] = []  # (cell run, ghost text that stayed)
-        steps: list[dict[str, float] | None] = []  # where each new cell's time went
-        misses = 0
-        try:
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                page = browser.new_page(viewport={"width": 1400, "height": 900})
-                page.set_default_timeout(60_000)
-                for n, run in enumerate(sessions):
-                    name = f"{run.folder}/bench-{n}.ipynb" if run.folder else f"bench-{n}.ipynb"
-                    lab.new_notebook(quote(name))
-                    page.goto(lab.lab_url(quote(name), f"bench{n}"))
-                    expect(
-                        page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-                    ).to_have_count(1, timeout=60_000)
-                    wait_for_recorder(lab, store, name)
-                    for i, source in enumerate(run.cells):
-                        active = page.locator(".jp-Cell.jp-mod-active")
-                        active.locator(".cm-content").click()
-                        page.keyboard.press("Escape")  # dismiss ghost text before typing
-                        active.locator(".cm-content").click()
-                        # (inserted as a paste is: typed, the editor would indent each line)
-                        page.keyboard.insert_text(source)
-                        if pause:
-                            page.wait_for_timeout(pause * 1000)
-                        if i > 0:
-                            page.evaluate(GHOST_TIMING_JS)
-                            page.evaluate(PHASES_JS)
-                            page.evaluate(GHOST_TEXTS_JS)
-                        page.keyboard.press("Shift+Enter")
-                        prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
-                        expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=180_000)
-                        if i == 0:
-                            continue
-                        try:
-                            page.wait_for_function(
-                                "() => window.__themistoTiming && window.__themistoTiming.ghostAt",
-                                timeout=5000,
-                            )
-                        except Exception:
-                            misses += 1
-                            continue
-                        t = page.evaluate("() => window.__themistoTiming")
-                        latencies.append(t["ghostAt"] - t["activeAt"])
-                        log = page.evaluate("() => window.__themistoPhases")
-                        steps.append(phases(log, t["activeAt"], t["ghostAt"]))
-                        page.wait_for_timeout(6000)  # the whole suggestion (5 s at most)
-                        ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")
-                        shown.append((source, ghost.first.inner_text() if ghost.count() else ""))
-                        seen = page.evaluate("() => window.__themistoGhostTexts")
-                        if seen:
-                            stayed.append(stayed_since(seen) - t["activeAt"])
-                            replaced += stayed[-1] > seen[0][0] - t["activeAt"]
-                browser.close()
-        finally:
-            lab.stop()
+        extra.append(f"--ThemistoExtensionApp.early_answer_ms={early_answer_ms}")
+    latencies: list[float] = []
+    stayed: list[float] = []  # when the ghost text that stayed began
+    replaced = 0  # new cells whose first ghost text (an early answer) was replaced
+    shown: list[tuple[str, str]] = []  # (cell run, ghost text that stayed)
+    steps: list[dict[str, float] | None] = []  # where each new cell's time went
+    misses = 0
+    with browser_lab(backend, settings, repos, history, extra) as (lab, store, page):
+        for n, run in enumerate(sessions):
+            name = f"{run.folder}/bench-{n}.ipynb" if run.folder else f"bench-{n}.ipynb"
+            open_new_notebook(page, lab, store, name, f"bench{n}")
+            for i, source in enumerate(run.cells):
+                active = page.locator(".jp-Cell.jp-mod-active")
+                active.locator(".cm-content").click()
+                page.keyboard.press("Escape")  # dismiss ghost text before typing
+                active.locator(".cm-content").click()
+                # (inserted as a paste is: typed, the editor would indent each line)
+                page.keyboard.insert_text(source)
+                if pause:
+                    page.wait_for_timeout(pause * 1000)
+                if i > 0:
+                    page.evaluate(GHOST_TIMING_JS)
+                    page.evaluate(PHASES_JS)
+                    page.evaluate(GHOST_TEXTS_JS)
+                page.keyboard.press("Shift+Enter")
+                prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
+                expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=180_000)
+                if i == 0:
+                    continue
+                try:
+                    page.wait_for_function(
+                        "() => window.__themistoTiming && window.__themistoTiming.ghostAt",
+                        timeout=5000,
+                    )
+                except Exception:
+                    misses += 1
+                    continue
+                t = page.evaluate("() => window.__themistoTiming")
+                latencies.append(t["ghostAt"] - t["activeAt"])
+                log = page.evaluate("() => window.__themistoPhases")
+                steps.append(phases(log, t["activeAt"], t["ghostAt"]))
+                page.wait_for_timeout(6000)  # the whole suggestion (5 s at most)
+                ghost = page.locator(".jp-Cell.jp-mod-active .jp-GhostText")
+                shown.append((source, ghost.first.inner_text() if ghost.count() else ""))
+                seen = page.evaluate("() => window.__themistoGhostTexts")
+                if seen:
+                    stayed.append(stayed_since(seen) - t["activeAt"])
+                    replaced += stayed[-1] > seen[0][0] - t["activeAt"]
     label = f"{backend}, {pause:g} s pause before each run" if pause else backend
     print(f"[{label}] ghost text over {len(latencies)} new cells ({misses} without ghost text):")
     if latencies:
@@ -348,6 +326,52 @@ def measure(
         print(f"  where the time went, medians over {len(timed)} cells: {spent}")
     for source, text in shown[:3]:
         print(f"  after {source!r}: {text!r}")
+
+
+@contextmanager
+def browser_lab(
+    backend: str,
+    settings: dict[str, Any],
+    repos: list[Path],
+    history: Callable[[TrajectoryStore], None] | None = None,
+    extra_argv: list[str] | None = None,
+) -> Iterator[tuple[JupyterLab, TrajectoryStore, Page]]:
+    """A `jupyter lab` whose default backend is `backend` (with `settings`), copies of `repos`
+    in its root and a store `history` fills, and a chromium page."""
+    argv = [f"--ThemistoExtensionApp.default_backend={backend}", *(extra_argv or [])]
+    if settings:
+        argv.append(f"--ThemistoExtensionApp.backend_settings={json.dumps({backend: settings})}")
+    with tempfile.TemporaryDirectory() as tmp:
+        lab = JupyterLab(Path(tmp), argv)
+        lab.store_path.parent.mkdir(parents=True)
+        for repo in repos:
+            # (a copy: the cells may write files next to their data)
+            shutil.copytree(repo, lab.root / repo.name, symlinks=True, dirs_exist_ok=True)
+        store = TrajectoryStore(lab.store_path)
+        if history is not None:
+            history(store)
+        lab.start()
+        try:
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+                page.set_default_timeout(60_000)
+                yield lab, store, page
+                browser.close()
+        finally:
+            lab.stop()
+
+
+def open_new_notebook(
+    page: Page, lab: JupyterLab, store: TrajectoryStore, name: str, workspace: str
+) -> None:
+    """A new notebook `name` open in the page, its kernel idle and recorded."""
+    lab.new_notebook(quote(name))
+    page.goto(lab.lab_url(quote(name), workspace))
+    expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
+        1, timeout=60_000
+    )
+    wait_for_recorder(lab, store, name)
 
 
 def wait_for_recorder(lab: JupyterLab, store: TrajectoryStore, notebook: str) -> None:

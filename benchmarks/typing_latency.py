@@ -26,22 +26,23 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ghost_text_latency import Session, corpus_sessions, wait_for_recorder  # noqa: E402
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
+from ghost_text_latency import (  # noqa: E402
+    Session,
+    browser_lab,
+    corpus_sessions,
+    open_new_notebook,
+)
+from playwright.sync_api import expect  # noqa: E402
 
-from jupyter_themisto.store import TrajectoryStore  # noqa: E402
-from tests.ui.lab import CHROMIUM, CHROMIUM_ARGS, JupyterLab, check_installed_build  # noqa: E402
+from tests.ui.lab import check_installed_build  # noqa: E402
 
 #: Each key's latency (ms): from its keydown event to the first frame after the active editor
 #: changed. `window.__themistoKeys` collects them.
@@ -92,74 +93,65 @@ def measure(
     sessions: list[Session],
     repos: list[Path],
     args: argparse.Namespace,
-) -> list[float]:
-    argv = [f"--ThemistoExtensionApp.default_backend={backend}"]
-    if settings:
-        argv.append(f"--ThemistoExtensionApp.backend_settings={json.dumps({backend: settings})}")
-    keys: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        lab = JupyterLab(Path(tmp), argv)
-        lab.store_path.parent.mkdir(parents=True)
-        for repo in repos:
-            shutil.copytree(repo, lab.root / repo.name, symlinks=True, dirs_exist_ok=True)
-        store = TrajectoryStore(lab.store_path)
-        lab.start()
-        try:
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                page = browser.new_page(viewport={"width": 1400, "height": 900})
-                page.set_default_timeout(60_000)
-                for n, run in enumerate(sessions):
-                    name = f"{run.folder}/typing-{n}.ipynb"
-                    lab.new_notebook(quote(name))
-                    page.goto(lab.lab_url(quote(name), f"typing{n}"))
-                    expect(
-                        page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-                    ).to_have_count(1, timeout=60_000)
-                    wait_for_recorder(lab, store, name)
-                    for i, source in enumerate(run.cells):
-                        editor = page.locator(".jp-Cell.jp-mod-active .cm-content")
-                        editor.click()
-                        page.keyboard.press("Escape")  # (a ghost text, if any)
-                        editor.click()
-                        if i > 0:
-                            keys += type_cell(page, source, args)
-                            page.keyboard.press("Control+a")
-                        page.keyboard.insert_text(source)
-                        page.keyboard.press("Shift+Enter")
-                        prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
-                        expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=180_000)
-                browser.close()
-        finally:
-            lab.stop()
+) -> list[tuple[float, bool]]:
+    keys: list[tuple[float, bool]] = []
+    with browser_lab(backend, settings, repos) as (lab, store, page):
+        for n, run in enumerate(sessions):
+            open_new_notebook(page, lab, store, f"{run.folder}/typing-{n}.ipynb", f"typing{n}")
+            for i, source in enumerate(run.cells):
+                editor = page.locator(".jp-Cell.jp-mod-active .cm-content")
+                editor.click()
+                page.keyboard.press("Escape")  # (a ghost text, if any)
+                editor.click()
+                if i > 0:
+                    keys += type_cell(page, source, args)
+                    page.keyboard.press("Control+a")
+                page.keyboard.insert_text(source)
+                page.keyboard.press("Shift+Enter")
+                prompt = page.locator(".jp-Cell").nth(i).locator(".jp-InputPrompt")
+                expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=180_000)
     return keys
 
 
-def type_cell(page: Any, source: str, args: argparse.Namespace) -> list[float]:
-    """Type the cell's first `args.lines` lines key by key; the keys' latencies (ms)."""
+def type_cell(page: Any, source: str, args: argparse.Namespace) -> list[tuple[float, bool]]:
+    """Type the cell's first `args.lines` lines key by key: each key's latency (ms), and
+    whether it came right after a pause (the first of a line after the first)."""
     page.evaluate(KEY_LATENCY_JS)
     page.evaluate("() => { window.__themistoKeys.length = 0; }")
     lines = [line.strip() for line in source.splitlines() if line.strip()][: args.lines]
+    after_pause: list[bool] = []
     for j, line in enumerate(lines):
         if j:
             page.keyboard.press("Enter")
+            after_pause.append(True)
         for char in line:
             page.keyboard.type(char)
+            after_pause.append(False)
             page.wait_for_timeout(args.key_ms)
         page.wait_for_timeout(args.pause_s * 1000)
-    return list(page.evaluate("() => window.__themistoKeys"))
+    latencies = page.evaluate("() => window.__themistoKeys")
+    if len(latencies) != len(after_pause):  # (a key the editor did not show: no pairing)
+        return [(k, False) for k in latencies]
+    return list(zip(latencies, after_pause, strict=True))
 
 
-def report(case: str, keys: list[float]) -> None:
-    if len(keys) < 2:
-        print(f"[{case}] {len(keys)} keys measured")
-        return
-    qs = statistics.quantiles(keys, n=100, method="inclusive")
-    slow = sum(k > 50 for k in keys), sum(k > 100 for k in keys)
-    print(
-        f"[{case}] {len(keys)} keys: median {statistics.median(keys):.1f} ms, p90 {qs[89]:.1f},"
-        f" p99 {qs[98]:.1f}, max {max(keys):.1f}; over 50 ms {slow[0]}, over 100 ms {slow[1]}"
-    )
+def report(case: str, keys: list[tuple[float, bool]]) -> None:
+    print(f"[{case}]")
+    for label, which in (
+        ("all keys", [k for k, _ in keys]),
+        ("the first key after a pause", [k for k, first in keys if first]),
+        ("the others", [k for k, first in keys if not first]),
+    ):
+        if len(which) < 2:
+            print(f"  {label}: {len(which)} measured")
+            continue
+        qs = statistics.quantiles(which, n=100, method="inclusive")
+        slow = sum(k > 50 for k in which), sum(k > 100 for k in which)
+        print(
+            f"  {label}, {len(which)}: median {statistics.median(which):.1f} ms,"
+            f" p90 {qs[89]:.1f}, p99 {qs[98]:.1f}, max {max(which):.1f};"
+            f" over 50 ms {slow[0]}, over 100 ms {slow[1]}"
+        )
 
 
 if __name__ == "__main__":
