@@ -52,6 +52,19 @@ async def wait_for(predicate: Callable[[], T], timeout: float = 60.0) -> T:
     raise AssertionError("timed out waiting")
 
 
+def engine_runs(backend: Any) -> list[Any]:
+    """A list that gets each job a local model backend's engine is asked to answer from now on."""
+    runs: list[Any] = []
+    real = backend.run
+
+    def counted(model: Any, job: Any, *rest: Any) -> Any:
+        runs.append(job)
+        return real(model, job, *rest)
+
+    backend.run = counted
+    return runs
+
+
 async def post(jp_fetch: Any, task: str, body: Any, **kw: Any) -> Any:
     """POST `body` (as JSON) to /themisto/predict/<task>; the response."""
     return await jp_fetch("themisto", "predict", task, method="POST", body=json.dumps(body), **kw)

@@ -45,7 +45,7 @@ from jupyter_themisto.backends.prompts import (
 )
 from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo, parse_cell
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import wait_for
+from tests.helpers import engine_runs, wait_for
 
 #: A prompt the model continues for long: counting, with no cell boundary in sight.
 ENDLESS = "# %%\nnumbers = [\n    1,\n    2,\n    3,\n"
@@ -414,8 +414,26 @@ async def test_a_warm_up_writes_the_suggestion_ahead_for_the_cell_once_it_ran(mo
     assert backend.answer_ahead(ran) is None and not backend._writing_ahead
     await backend.warm(typed, ahead=True)
     written = await wait_for(lambda: backend.answer_ahead(ran))
-    # the greedy suggestion for the prompt as typed; it is kept for the cell once it ran
-    assert written and written == (await next_cells(backend, typed))[0]
+    # Asked once the cell ran, whose run left the prompt as it was (an output, not an error,
+    # is not shown): the answer written ahead is the model's answer, not written again.
+    runs = engine_runs(backend)
+    assert (await next_cells(backend, ran))[0] == written and runs == []
+    # It is the greedy suggestion for that prompt.
+    backend._ahead.clear()
+    assert written == (await next_cells(backend, ran))[0] and runs
+    # The cell raised: its error is in the prompt, so the model answers it anew.
+    await backend.warm(typed, ahead=True)
+    await wait_for(lambda: backend.answer_ahead(ran))
+    failed = dataclasses.replace(
+        ran,
+        cells=[
+            *ran.cells[:-1],
+            ContextCell(source="print(df.shape)", output_text="NameError: df", status="error"),
+        ],
+    )
+    runs.clear()
+    await next_cells(backend, failed)
+    assert backend.answer_ahead(failed) == written and runs
     other = dataclasses.replace(ran, cells=[*ran.cells[:-1], ContextCell(source="df.head()")])
     assert backend.answer_ahead(other) is None  # (another cell ran)
     assert backend.answer_ahead(dataclasses.replace(ran, kernel_id="other")) is None

@@ -14,7 +14,7 @@ from jupyter_themisto.backends import default_backend_name, model_files
 from jupyter_themisto.backends._local import loaded_models
 from jupyter_themisto.backends.llamacpp import local_model_installed
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import parse_sse, post, server_config, wait_for
+from tests.helpers import engine_runs, parse_sse, post, server_config, wait_for
 
 
 @pytest.fixture
@@ -193,8 +193,8 @@ async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran
     jp_fetch, jp_serverapp, store_path
 ):
     """The plugin's warm-up (a cell typed, or starting to run) lets the model write that cell's
-    suggestion ahead; asked for once the cell ran, it is the early answer, and the model's
-    answer to the prompt with the run's output follows."""
+    suggestion ahead; asked for once the cell ran, it is the answer, at once: the run's output
+    is not in the prompt (only an error would be), so the model is not asked again."""
     store = TrajectoryStore(store_path)
     recorded = ["import numpy as np", "import matplotlib.pyplot as plt"]
     tid = record(store, "k-ahead", recorded)
@@ -210,8 +210,11 @@ async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran
     store.add_execution(
         tid, {"source": typed, "status": "ok", "execution_count": 3, "outputs": [output]}
     )
-    events = parse_sse((await post(jp_fetch, "next-cell", {"kernel_id": "k-ahead"})).body.decode())
+    runs = engine_runs(backend)
+    body = {"kernel_id": "k-ahead", "n": 1}
+    events = parse_sse((await post(jp_fetch, "next-cell", body)).body.decode())
     chunks = [d for name, d in events if name == "chunk" and d["index"] == 0]
-    assert chunks[0] == {"index": 0, "text": written, "done": False}
-    assert any(c["done"] for c in chunks) and events[-1][0] == "done"
+    assert chunks[0]["text"] == written and not any(c.get("replace") for c in chunks)
+    assert "".join(c["text"] for c in chunks) == written and chunks[-1]["done"]
+    assert events[-1][0] == "done" and runs == []
     store.close()

@@ -327,9 +327,11 @@ class LocalModelSettings(PromptSettings):
         True,
         description="a warm-up the plugin sends while a cell is typed (and after a run no"
         " suggestion was asked for) also writes the suggestion for that prompt, in the"
-        " background; once the cell has run, it is on screen at once, as the early answer,"
-        " while the model answers the prompt with the run's outputs (stopped the moment anything"
-        " else asks the model, the warm-up as the cell starts running included; see README)",
+        " background; once the cell has run, it is on screen at once: the suggestion itself"
+        " when the run added nothing the prompt shows, else the early answer while the model"
+        " answers the prompt with the run's error or outputs (stopped the moment anything else"
+        " asks the model, the warm-up as the cell starts running and typing on included; see"
+        " README)",
     )
     retrieval: RetrievalSettings | None = Field(
         None,
@@ -572,10 +574,12 @@ class LocalModelPredictor(Predictor):
         model = await self._model()
         prompt = await self._prompt_with_examples(ctx, model)
         followed = await self._continuation(ctx)
-        # (with a continuation the model answers no first suggestion, cold or not)
-        short = None if followed is not None else self.cold_prompt(ctx, model, prompt)
+        given = Candidate(followed, "history") if followed is not None else None
+        given = given or self._written_for(ctx, prompt)
+        # (with either the model answers no first suggestion, cold or not)
+        short = None if given is not None else self.cold_prompt(ctx, model, prompt)
         if short is None:
-            async for chunk in self._next_cell(ctx, model, prompt, n, followed):
+            async for chunk in self._next_cell(ctx, model, prompt, n, given):
                 yield chunk
             return
         newest = max((c.order_index or 0 for c in ctx.cells), default=0)
@@ -598,7 +602,7 @@ class LocalModelPredictor(Predictor):
         model: SharedModel,
         prompt: Prompt,
         n: int,
-        followed: str | None,
+        given: Candidate | None,
     ) -> AsyncIterator[NextCellChunk]:
         previous = ctx.previous_code()
         slot = self.slot(ctx, model)
@@ -609,13 +613,17 @@ class LocalModelPredictor(Predictor):
         first_deadline = time.monotonic() + self.settings.suggestion_timeout
         first: Candidate | None = None
         busy = False
-        if followed is not None:
+        if given is not None and given.source == "history":
             # These cells ran in this order before: what followed them there is shown at once
             # (the model evaluates the prompt meanwhile, for this notebook's next suggestion).
-            first = Candidate(followed, "history")
+            first = given
             if wanted == 1:
                 self._warm_later(ctx, model, prompt)
-            yield NextCellChunk(index=0, text=followed, done=True, metadata={"source": "history"})
+            yield NextCellChunk(index=0, text=given.text, done=True, metadata={"source": "history"})
+        elif given is not None:
+            # The model's answer to this very prompt, written ahead: not written again.
+            first = given
+            yield NextCellChunk(index=0, text=given.text, done=True)
         else:
             await self._settle(ctx)
         for attempt in range(0 if first is not None else 3):
@@ -836,6 +844,15 @@ class LocalModelPredictor(Predictor):
         if kept is None or kept[0] != ctx.previous_code():
             return None
         return kept[2]
+
+    def _written_for(self, ctx: PredictionContext, prompt: Prompt) -> Candidate | None:
+        """The greedy answer written ahead for `prompt` itself, if it was (`answer_ahead`: the
+        cell typed is the cell that ran, and its run added nothing the prompt shows)."""
+        written = self.answer_ahead(ctx)
+        kept = self._ahead.get(notebook_key(ctx))
+        if written is None or kept is None or kept[1] != prompt.text:
+            return None
+        return Candidate(written, "greedy")
 
     def _predicting(self) -> None:
         """A prediction starts: answers being written ahead stop, and a warm-up begun before
