@@ -803,6 +803,18 @@ async def test_a_stand_in_for_a_dropped_answer_streams():
     assert len(streamed[0]) < len(sample)
 
 
+async def test_an_answer_written_ahead_is_the_one_a_suggestion_would_have_been():
+    # Written ahead as asked for: the greedy answer was the previous cell again, so the sample
+    # standing in for it is kept; asked once the cell ran (the same prompt), it is the whole
+    # suggestion, and the model is not asked again.
+    ctx = session(kernel_id="k")
+    backend = ScriptedEngine([ctx.cells[-1].source + "\n", "df.describe()\n", "df.sum()\n"])
+    await backend.warm(ctx, ahead=True)
+    assert await wait_for(lambda: backend.answer_ahead(ctx)) == "df.describe()"
+    assert await stream(backend, ctx) == [(0, "df.describe()", True)]
+    assert backend.answers == ["df.sum()\n"]
+
+
 async def test_only_degenerate_answers_give_no_prediction():
     ctx = session()
     backend = ScriptedEngine(["# just a comment\n", "\n\n", "print(df.shape)"])

@@ -204,7 +204,7 @@ async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran
     r = await post(jp_fetch, "next-cell", body)
     assert r.code == 204
     backend = jp_serverapp.web_app.settings["themisto_manager"].backend(None)
-    (ran, _, written) = await wait_for(lambda: backend._ahead.get("k-ahead"))
+    (ran, _, written, _) = await wait_for(lambda: backend._ahead.get("k-ahead"))
     assert ran == typed and written.strip()
     output = {"output_type": "stream", "name": "stdout", "text": "0.9999270909904768\n"}
     store.add_execution(

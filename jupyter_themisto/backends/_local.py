@@ -365,8 +365,9 @@ class LocalModelPredictor(Predictor):
         #: warm-ups started after a cold answer, by notebook (kept until done)
         self._background: dict[str, asyncio.Future[None]] = {}
         #: answers written ahead (`answer_ahead`), by notebook: (the cell they follow, their
-        #: prompt, the answer; the `AHEAD_KEPT` newest), and the ones being written
-        self._ahead: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
+        #: prompt, the answer, greedy or sampled; the `AHEAD_KEPT` newest), and the ones being
+        #: written
+        self._ahead: OrderedDict[str, tuple[str, str, str, str]] = OrderedDict()
         self._writing_ahead: dict[str, asyncio.Future[None]] = {}
         #: predictions begun (a warm-up during which one began writes no answer ahead)
         self._predictions = 0
@@ -631,17 +632,7 @@ class LocalModelPredictor(Predictor):
             if limit <= 0.05:
                 dropped.append(f"no answer within {self.settings.suggestion_timeout:g} s")
                 break
-            temperature = (
-                self.settings.temperature if attempt == 0 else self.settings.sample_temperature
-            )
-            job = Completion.of(
-                prompt,
-                self.settings.max_tokens,
-                temperature,
-                self.settings.seed + attempt,
-                time_limit=limit,
-                slot=slot,
-            )
+            job = self._first_attempt(prompt, attempt, limit, slot)
             status: dict[str, bool] = {}
             text, sent = "", 0
             async for piece in self._complete(job, status):
@@ -810,32 +801,48 @@ class LocalModelPredictor(Predictor):
             writing = asyncio.ensure_future(self._write_ahead(key, previous, prompt, ctx))
             _keep(self._writing_ahead, key, writing)
 
+    def _first_attempt(self, prompt: Prompt, attempt: int, limit: float, slot: int) -> Completion:
+        """Try `attempt` (0, 1, 2) at the first suggestion: the greedy answer, then samples
+        standing in for it when it is not worth showing."""
+        return Completion.of(
+            prompt,
+            self.settings.max_tokens,
+            self.settings.temperature if attempt == 0 else self.settings.sample_temperature,
+            self.settings.seed + attempt,
+            time_limit=limit,
+            slot=slot,
+        )
+
     async def _write_ahead(
         self, key: str, previous: str, prompt: Prompt, ctx: PredictionContext
     ) -> None:
-        """Write the greedy suggestion for `prompt` (the notebook's cells up to `previous`) and
-        keep it for `answer_ahead`; a prediction asked meanwhile stops it (`stop_ahead`)."""
+        """Write the first suggestion for `prompt` (the notebook's cells up to `previous`) as a
+        suggestion asked for it would (the greedy answer, else a sample standing in for it, all
+        within `suggestion_timeout`) and keep it for `answer_ahead`; a prediction asked
+        meanwhile stops it (`stop_ahead`)."""
         model = await self._model()
-        job = Completion.of(
-            prompt,
-            self.settings.max_tokens,
-            self.settings.temperature,
-            self.settings.seed,
-            time_limit=self.settings.suggestion_timeout,
-            slot=self.slot(ctx, model),
-        )
-        status: dict[str, bool] = {}
-        try:
-            text = "".join([piece async for piece in self._complete(job, status)])
-        except Exception as e:  # noqa: BLE001 - the prediction asked later says what fails
-            self.env.log.debug("%s: no answer ahead: %s", self.name, e)
-            return
-        text = whole_statements(text) if status.get("cut") else text.rstrip()
-        if degenerate_reason(text, previous) is None:
-            self._ahead[key] = (previous, prompt.text, text)
-            self._ahead.move_to_end(key)
-            while len(self._ahead) > AHEAD_KEPT:  # (notebooks closed long ago)
-                self._ahead.popitem(last=False)
+        deadline = time.monotonic() + self.settings.suggestion_timeout
+        for attempt in range(3):
+            limit = deadline - time.monotonic()
+            if limit <= 0.05:
+                return
+            status: dict[str, bool] = {}
+            job = self._first_attempt(prompt, attempt, limit, self.slot(ctx, model))
+            try:
+                text = "".join([piece async for piece in self._complete(job, status)])
+            except Exception as e:  # noqa: BLE001 - the prediction asked later says what fails
+                self.env.log.debug("%s: no answer ahead: %s", self.name, e)
+                return
+            text = whole_statements(text) if status.get("cut") else text.rstrip()
+            if degenerate_reason(text, previous) is None:
+                source = "greedy" if attempt == 0 else "sampled"
+                self._ahead[key] = (previous, prompt.text, text, source)
+                self._ahead.move_to_end(key)
+                while len(self._ahead) > AHEAD_KEPT:  # (notebooks closed long ago)
+                    self._ahead.popitem(last=False)
+                return
+            if status.get("timed_out"):
+                return
 
     def answer_ahead(self, ctx: PredictionContext) -> str | None:
         """The suggestion written ahead for `ctx`'s notebook, if it was written after the cell
@@ -846,13 +853,13 @@ class LocalModelPredictor(Predictor):
         return kept[2]
 
     def _written_for(self, ctx: PredictionContext, prompt: Prompt) -> Candidate | None:
-        """The greedy answer written ahead for `prompt` itself, if it was (`answer_ahead`: the
-        cell typed is the cell that ran, and its run added nothing the prompt shows)."""
+        """The first suggestion written ahead for `prompt` itself, if it was (`answer_ahead`:
+        the cell typed is the cell that ran, and its run added nothing the prompt shows)."""
         written = self.answer_ahead(ctx)
         kept = self._ahead.get(notebook_key(ctx))
         if written is None or kept is None or kept[1] != prompt.text:
             return None
-        return Candidate(written, "greedy")
+        return Candidate(written, kept[3])
 
     def _predicting(self) -> None:
         """A prediction starts: answers being written ahead stop, and a warm-up begun before

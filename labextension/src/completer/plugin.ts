@@ -109,14 +109,14 @@ export function activateNextCell(
     invokeWhenAnswered(panel, cell);
   });
 
+  // Notebooks sent a warm-up with `ahead`: their active cell and its source then.
+  const writingAhead = new WeakMap<object, { cell: Cell | null; source: string }>();
   /**
    * Let the backend evaluate the prompt for a cell after `cell` now, while the person reads
    * the output: the suggestion asked for later (a new cell, Alt+\\) then starts at once.
    * With `ahead`, a local model also writes that suggestion meanwhile, for the early answer:
    * not as a cell starts running (that warm-up stops it: the run needs the cores).
    */
-  // Notebooks sent a warm-up with `ahead`: their active cell and its source then.
-  const writingAhead = new WeakMap<object, { cell: Cell | null; source: string }>();
   const warm = async (panel: NotebookPanel, cell: Cell, ahead = false) => {
     const model = panel.content.model;
     if (!model) {
