@@ -218,3 +218,37 @@ async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran
     assert "".join(c["text"] for c in chunks) == written and chunks[-1]["done"]
     assert events[-1][0] == "done" and runs == []
     store.close()
+
+
+@pytest.mark.parametrize("early_answer_ms", [1.0])
+async def test_a_suggestion_asked_while_it_is_written_ahead_follows_the_writing(
+    jp_fetch, jp_serverapp, store_path
+):
+    """Asked before the answer written ahead is done (the cell ran at once after the pause),
+    the suggestion is that answer, as it is written: the warm-up as the cell starts running
+    does not stop it, and the model is not asked again."""
+    store = TrajectoryStore(store_path)
+    recorded = ["import numpy as np", "import matplotlib.pyplot as plt"]
+    tid = record(store, "k-follow", recorded)
+    typed = "xs = np.linspace(0, 10, 100)\nys = np.sin(xs)"
+    cells = [{"cell_type": "code", "source": s} for s in [*recorded, typed]]
+    body = {"kernel_id": "k-follow", "cells": cells, "warm": True, "ahead": True}
+    assert (await post(jp_fetch, "next-cell", body)).code == 204
+    backend = jp_serverapp.web_app.settings["themisto_manager"].backend(None)
+    writing = await wait_for(lambda: backend._writing.get("k-follow"))
+    del body["ahead"]  # (as the cell starts running)
+    assert (await post(jp_fetch, "next-cell", body)).code == 204
+    store.add_execution(tid, {"source": typed, "status": "ok", "execution_count": 3})
+    runs = engine_runs(backend)
+    assert not writing.over  # (still being written when asked)
+    body = {"kernel_id": "k-follow", "n": 1}
+    events = parse_sse((await post(jp_fetch, "next-cell", body)).body.decode())
+    chunks = [d for name, d in events if name == "chunk" and d["index"] == 0]
+    text = ""
+    for c in chunks:  # (an early answer may be on screen until the model's text replaces it)
+        text = c["text"] if c.get("replace") else text + c["text"]
+    assert text.strip() and chunks[-1]["done"]
+    assert events[-1][0] == "done" and runs == []
+    (ran, _, written, _) = backend._ahead["k-follow"]
+    assert ran == typed and written == text
+    store.close()

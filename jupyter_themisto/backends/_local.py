@@ -52,6 +52,42 @@ from .settings import BackendSettings
 AHEAD_KEPT = 64
 
 
+@dataclass
+class Deadline:
+    """When an answer's time is up (`time.monotonic()`); a suggestion that follows an answer
+    being written ahead moves it later (`LocalModelPredictor._follow`)."""
+
+    at: float
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+@dataclass(eq=False)
+class Writing:
+    """A first suggestion being written ahead (`answer_ahead`): for the notebook's cell
+    `previous`, from the prompt `prompt`; its chunks so far, for a suggestion asked for that
+    very prompt to follow (`followers`: those following it now, which nothing else stops)."""
+
+    previous: str
+    prompt: str
+    deadline: Deadline
+    chunks: list[NextCellChunk] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    over: bool = False
+    #: why it wrote nothing worth showing
+    failure: str | None = None
+    followers: int = 0
+
+    def add(self, chunk: NextCellChunk) -> None:
+        self.chunks.append(chunk)
+        self.changed.set()
+
+    def end(self) -> None:
+        self.over = True
+        self.changed.set()
+
+
 @dataclass(frozen=True)
 class Completion:
     """One answer to generate: the prompt, where it ends, how long and how random."""
@@ -369,6 +405,7 @@ class LocalModelPredictor(Predictor):
         #: written
         self._ahead: OrderedDict[str, tuple[str, str, str, str]] = OrderedDict()
         self._writing_ahead: dict[str, asyncio.Future[None]] = {}
+        self._writing: dict[str, Writing] = {}
         #: predictions begun (a warm-up during which one began writes no answer ahead)
         self._predictions = 0
 
@@ -499,11 +536,17 @@ class LocalModelPredictor(Predictor):
         return await asyncio.to_thread(self.shared)
 
     async def _complete(
-        self, job: Completion, status: dict[str, bool] | None = None, *, code: bool = True
+        self,
+        job: Completion,
+        status: dict[str, bool] | None = None,
+        *,
+        code: bool = True,
+        until: Deadline | None = None,
     ) -> AsyncIterator[str]:
         """Streamed text of one answer: cut at the cell boundary, at most `max_lines` lines, and
-        ended `job.time_limit` (else `suggestion_timeout`) seconds after it was asked for
-        (waiting for a free slot included; loading the model not). A `code` answer also loses
+        ended `job.time_limit` (else `suggestion_timeout`) seconds after it was asked for, or at
+        `until` (read as it goes: it may move) (waiting for a free slot included; loading the
+        model not). A `code` answer also loses
         its code fences and is stopped when it repeats itself (an output may repeat lines and
         hold fences). An answer ended by its time sets `status["timed_out"]`; one that a limit
         ended (time, tokens, lines, a loop) sets `status["cut"]`: it may end mid-statement."""
@@ -519,21 +562,27 @@ class LocalModelPredictor(Predictor):
                 status["cut"] = True
 
         pieces = push_from_thread(model, run)
-        deadline = time.monotonic() + job.time_limit
+        until = until or Deadline(time.monotonic() + job.time_limit)
+        # (a piece awaited as a task of its own: waiting for it past a time that was then moved
+        # later must not cancel it)
+        waiting: asyncio.Future[str] | None = None
         try:
             while True:
-                try:
-                    piece = await asyncio.wait_for(
-                        pieces.__anext__(), max(0.0, deadline - time.monotonic())
-                    )
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    self.env.log.info("%s: answer ended after %g s", self.name, job.time_limit)
+                waiting = waiting or asyncio.ensure_future(pieces.__anext__())
+                await asyncio.wait([waiting], timeout=max(0.0, until.left()))
+                if not waiting.done():
+                    if until.left() > 0:
+                        continue  # (its time was moved later meanwhile)
+                    self.env.log.info("%s: answer ended at its time limit", self.name)
                     self.timed_out += 1
                     if status is not None:
                         status["timed_out"] = status["cut"] = True
                     return
+                try:
+                    piece = waiting.result()
+                except StopAsyncIteration:
+                    break
+                waiting = None
                 text = scanner.feed(piece)
                 text = bounds.feed(fences.feed(text) if fences else text)
                 if text:
@@ -541,6 +590,9 @@ class LocalModelPredictor(Predictor):
                 if scanner.stopped or bounds.stopped:
                     break
         finally:
+            if waiting is not None and not waiting.done():
+                waiting.cancel()  # (the engine stops at its next token)
+                await asyncio.wait([waiting])
             await pieces.aclose()
         if not bounds.stopped:
             rest = scanner.finish()
@@ -571,31 +623,78 @@ class LocalModelPredictor(Predictor):
         keeps its place (it is on screen already) and gets its score. A machine too busy to
         answer within the time gets no further attempts.
         """
-        self._predicting()
-        model = await self._model()
-        prompt = await self._prompt_with_examples(ctx, model)
-        followed = await self._continuation(ctx)
-        given = Candidate(followed, "history") if followed is not None else None
-        given = given or self._written_for(ctx, prompt)
-        # (with either the model answers no first suggestion, cold or not)
-        short = None if given is not None else self.cold_prompt(ctx, model, prompt)
-        if short is None:
-            async for chunk in self._next_cell(ctx, model, prompt, n, given):
-                yield chunk
-            return
-        newest = max((c.order_index or 0 for c in ctx.cells), default=0)
-        self.env.log.info(
-            "%s: cold prompt (%s after %s): answered from its newest cells",
-            self.name,
-            ctx.trajectory_id or ctx.notebook_path,
-            newest,
-        )
+        # The suggestion being written ahead for this cell (`answer_ahead`) is kept while this
+        # finds out whether it is the one asked for: the same prompt (then it is followed).
+        writing = self._writing.get(notebook_key(ctx)) if n <= 1 else None
+        if writing is not None and (writing.over or writing.previous != ctx.previous_code()):
+            writing = None
+        if writing is not None:
+            writing.followers += 1
         try:
-            async for chunk in self._next_cell(ctx, model, short, n, None):
-                yield chunk
+            self._predicting()
+            model = await self._model()
+            prompt = await self._prompt_with_examples(ctx, model)
+            followed = await self._continuation(ctx)
+            given = Candidate(followed, "history") if followed is not None else None
+            given = given or self._written_for(ctx, prompt)
+            if writing is not None and (given is not None or writing.prompt != prompt.text):
+                writing.followers -= 1
+                writing = None
+                self.stop_ahead()
+            if writing is not None:
+                async for chunk in self._follow(writing):
+                    yield chunk
+                return
+            # (with either the model answers no first suggestion, cold or not)
+            short = None if given is not None else self.cold_prompt(ctx, model, prompt)
+            if short is None:
+                async for chunk in self._next_cell(ctx, model, prompt, n, given):
+                    yield chunk
+                return
+            newest = max((c.order_index or 0 for c in ctx.cells), default=0)
+            self.env.log.info(
+                "%s: cold prompt (%s after %s): answered from its newest cells",
+                self.name,
+                ctx.trajectory_id or ctx.notebook_path,
+                newest,
+            )
+            try:
+                async for chunk in self._next_cell(ctx, model, short, n, None):
+                    yield chunk
+            finally:
+                # The next suggestion of this notebook then finds the whole prompt evaluated.
+                self._warm_later(ctx, model, prompt)
         finally:
-            # The next suggestion of this notebook then finds the whole prompt evaluated.
-            self._warm_later(ctx, model, prompt)
+            if writing is not None:
+                writing.followers -= 1
+
+    async def _follow(self, writing: Writing) -> AsyncIterator[NextCellChunk]:
+        """The suggestion being written ahead for the very prompt asked (the cell typed is the
+        cell that ran, and its run added nothing the prompt shows): what it wrote so far at
+        once, then the rest as it comes, its time moved to this suggestion's own
+        (`suggestion_timeout` from now). It was written as this suggestion would have been
+        (`_next_cell`), with a head start."""
+        writing.deadline.at = max(
+            writing.deadline.at, time.monotonic() + self.settings.suggestion_timeout
+        )
+        sent = 0
+        while True:
+            new = writing.chunks[sent:]
+            if new:
+                sent += len(new)
+                for chunk in new:
+                    yield chunk
+                continue
+            if writing.over:
+                break
+            writing.changed.clear()
+            await writing.changed.wait()
+        if not writing.chunks:
+            raise NoPrediction(
+                writing.failure or f"the {self.name} model suggested nothing worth showing"
+            )
+        if not writing.chunks[-1].done:  # (its writing was stopped: what came is kept)
+            yield NextCellChunk(index=0, text="", done=True)
 
     async def _next_cell(
         self,
@@ -604,14 +703,19 @@ class LocalModelPredictor(Predictor):
         prompt: Prompt,
         n: int,
         given: Candidate | None,
+        deadline: Deadline | None = None,
     ) -> AsyncIterator[NextCellChunk]:
+        """The suggestions for `prompt`; the first one's time ends at `deadline` (an answer
+        written ahead: it may move later), else `suggestion_timeout` from now."""
         previous = ctx.previous_code()
         slot = self.slot(ctx, model)
         wanted = max(1, n)
         dropped: list[str] = []
         # The first suggestion has suggestion_timeout in all, stand-ins for a dropped greedy
         # answer included; each further one has its own.
-        first_deadline = time.monotonic() + self.settings.suggestion_timeout
+        first_deadline = deadline or Deadline(time.monotonic() + self.settings.suggestion_timeout)
+        # (the engine's own bound, with room for a deadline moved later)
+        room = self.settings.suggestion_timeout if deadline is not None else 0.0
         first: Candidate | None = None
         busy = False
         if given is not None and given.source == "history":
@@ -628,14 +732,14 @@ class LocalModelPredictor(Predictor):
         else:
             await self._settle(ctx)
         for attempt in range(0 if first is not None else 3):
-            limit = first_deadline - time.monotonic()
+            limit = first_deadline.left()
             if limit <= 0.05:
                 dropped.append(f"no answer within {self.settings.suggestion_timeout:g} s")
                 break
-            job = self._first_attempt(prompt, attempt, limit, slot)
+            job = self._first_attempt(prompt, attempt, limit + room, slot)
             status: dict[str, bool] = {}
             text, sent = "", 0
-            async for piece in self._complete(job, status):
+            async for piece in self._complete(job, status, until=first_deadline):
                 text += piece
                 # A stand-in streams as the greedy answer would: on screen is what came first.
                 # Blank lines and spaces wait for what follows them: an answer never ends in
@@ -768,6 +872,11 @@ class LocalModelPredictor(Predictor):
         runs next. With `ahead` (and `answer_ahead`), the suggestion for the newest prompt is
         then written in the background (see `answer_ahead`)."""
         key = notebook_key(ctx)
+        being_written = self._writing.get(key)
+        if being_written is not None and being_written.previous == ctx.previous_code():
+            model = await self._model()
+            if (await self._prompt_with_examples(ctx, model)).text == being_written.prompt:
+                return  # (evaluated, and its suggestion is being written: as the cell runs)
         self.stop_ahead()  # (answers for older prompts: the model is wanted)
         predictions = self._predictions
         running = self._warming.get(key)
@@ -817,32 +926,34 @@ class LocalModelPredictor(Predictor):
         self, key: str, previous: str, prompt: Prompt, ctx: PredictionContext
     ) -> None:
         """Write the first suggestion for `prompt` (the notebook's cells up to `previous`) as a
-        suggestion asked for it would (the greedy answer, else a sample standing in for it, all
-        within `suggestion_timeout`) and keep it for `answer_ahead`; a prediction asked
-        meanwhile stops it (`stop_ahead`)."""
-        model = await self._model()
-        deadline = time.monotonic() + self.settings.suggestion_timeout
-        for attempt in range(3):
-            limit = deadline - time.monotonic()
-            if limit <= 0.05:
-                return
-            status: dict[str, bool] = {}
-            job = self._first_attempt(prompt, attempt, limit, self.slot(ctx, model))
-            try:
-                text = "".join([piece async for piece in self._complete(job, status)])
-            except Exception as e:  # noqa: BLE001 - the prediction asked later says what fails
-                self.env.log.debug("%s: no answer ahead: %s", self.name, e)
-                return
-            text = whole_statements(text) if status.get("cut") else text.rstrip()
-            if degenerate_reason(text, previous) is None:
-                source = "greedy" if attempt == 0 else "sampled"
-                self._ahead[key] = (previous, prompt.text, text, source)
-                self._ahead.move_to_end(key)
-                while len(self._ahead) > AHEAD_KEPT:  # (notebooks closed long ago)
-                    self._ahead.popitem(last=False)
-                return
-            if status.get("timed_out"):
-                return
+        suggestion asked for it would be (`_next_cell`: the greedy answer, else a sample
+        standing in for it, within `suggestion_timeout`) and keep it for `answer_ahead`. A
+        suggestion asked for this prompt meanwhile follows it (`_follow`); anything else asked
+        of the model stops it (`stop_ahead`)."""
+        writing = Writing(
+            previous, prompt.text, Deadline(time.monotonic() + self.settings.suggestion_timeout)
+        )
+        self._writing[key] = writing
+        text, source = "", "greedy"
+        try:
+            model = await self._model()
+            async for chunk in self._next_cell(ctx, model, prompt, 1, None, writing.deadline):
+                text = chunk.text if chunk.replace else text + chunk.text
+                source = (chunk.metadata or {}).get("source", source)
+                writing.add(chunk)
+        except Exception as e:  # noqa: BLE001 - the prediction asked later says what fails
+            writing.failure = str(e)
+            self.env.log.debug("%s: no answer ahead: %s", self.name, e)
+            return
+        finally:
+            writing.end()
+            if self._writing.get(key) is writing:
+                del self._writing[key]
+        if text.strip():
+            self._ahead[key] = (previous, prompt.text, text, source)
+            self._ahead.move_to_end(key)
+            while len(self._ahead) > AHEAD_KEPT:  # (notebooks closed long ago)
+                self._ahead.popitem(last=False)
 
     def answer_ahead(self, ctx: PredictionContext) -> str | None:
         """The suggestion written ahead for `ctx`'s notebook, if it was written after the cell
@@ -868,9 +979,11 @@ class LocalModelPredictor(Predictor):
         self.stop_ahead()
 
     def stop_ahead(self) -> None:
-        """Stop writing answers ahead: the model is wanted."""
-        for task in list(self._writing_ahead.values()):
-            task.cancel()
+        """Stop writing answers ahead (but one a suggestion follows): the model is wanted."""
+        for key, task in list(self._writing_ahead.items()):
+            writing = self._writing.get(key)
+            if writing is None or not writing.followers:
+                task.cancel()
 
     async def _settle(self, ctx: PredictionContext) -> None:
         """Wait (within the suggestion's time) for a warm-up of this notebook still running:
