@@ -853,7 +853,7 @@ async def test_a_suggestion_asked_while_its_answer_is_written_ahead_follows_it()
     # suggestion's own 1 s from when it was asked. And the model was not asked again.
     assert "".join(c.text for c in chunks) == answer.rstrip() and chunks[-1].done
     assert runs == [] and backend.answers == ["never_asked()\n"]
-    at_once = "".join(c.text for c, t in zip(chunks, times) if t < 0.05)
+    at_once = "".join(c.text for c, t in zip(chunks, times, strict=True) if t < 0.05)
     assert at_once.startswith("df.describe()")  # (what it wrote in the 0.6 s before)
     assert backend.answer_ahead(ctx) == answer.rstrip()
     assert not task.cancelled()
@@ -873,10 +873,8 @@ async def test_an_answer_written_ahead_alone_keeps_its_time_and_another_prompt_s
     await backend.warm(ctx, ahead=True)
     (task,) = backend._writing_ahead.values()
     await asyncio.sleep(0.3)
-    failed = dataclasses.replace(
-        ctx,
-        cells=[*ctx.cells[:-1], dataclasses.replace(ctx.cells[-1], output_text="E", status="error")],
-    )
+    raised = dataclasses.replace(ctx.cells[-1], output_text="E", status="error")
+    failed = dataclasses.replace(ctx, cells=[*ctx.cells[:-1], raised])
     assert "".join(t for _, t, _ in await stream(backend, failed)) == "df.head()"
     assert task.cancelled() and backend.answer_ahead(ctx) is None
 
