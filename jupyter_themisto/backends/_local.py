@@ -364,9 +364,10 @@ class LocalModelSettings(PromptSettings):
         description="a warm-up the plugin sends while a cell is typed (and after a run no"
         " suggestion was asked for) also writes the suggestion for that prompt, in the"
         " background; once the cell has run, it is on screen at once: the suggestion itself"
-        " when the run added nothing the prompt shows, else the early answer while the model"
+        " when the run added nothing the prompt shows (followed as it is written when it is not"
+        " done yet, its time then the suggestion's own), else the early answer while the model"
         " answers the prompt with the run's error or outputs (stopped the moment anything else"
-        " asks the model, the warm-up as the cell starts running and typing on included; see"
+        " asks the model, typing on included; not the warm-up as that cell starts running; see"
         " README)",
     )
     retrieval: RetrievalSettings | None = Field(
@@ -544,12 +545,12 @@ class LocalModelPredictor(Predictor):
         until: Deadline | None = None,
     ) -> AsyncIterator[str]:
         """Streamed text of one answer: cut at the cell boundary, at most `max_lines` lines, and
-        ended `job.time_limit` (else `suggestion_timeout`) seconds after it was asked for, or at
-        `until` (read as it goes: it may move) (waiting for a free slot included; loading the
-        model not). A `code` answer also loses
-        its code fences and is stopped when it repeats itself (an output may repeat lines and
-        hold fences). An answer ended by its time sets `status["timed_out"]`; one that a limit
-        ended (time, tokens, lines, a loop) sets `status["cut"]`: it may end mid-statement."""
+        ended `job.time_limit` (else `suggestion_timeout`) seconds after it was asked for
+        (waiting for a free slot included; loading the model not), or at `until`, which may
+        move while it is written. A `code` answer also loses its code fences and is stopped
+        when it repeats itself (an output may repeat lines and hold fences). An answer ended by
+        its time sets `status["timed_out"]`; one that a limit ended (time, tokens, lines, a
+        loop) sets `status["cut"]`: it may end mid-statement."""
         model = await self._model()
         job = replace(job, time_limit=job.time_limit or self.settings.suggestion_timeout)
         model.remember(job.prompt)
