@@ -1052,6 +1052,70 @@ def test_evaluate_warm_times_each_suggestion_after_its_warm_up(dump, tmp_path):
     assert not (tmp_path / "e2").exists()
 
 
+def test_evaluate_ahead_asks_once_the_suggestion_was_written_ahead_for_a_while(dump, tmp_path):
+    """`--ahead S`: the warm-up also writes the suggestion (`ahead=True`), and it is asked for
+    S seconds later, untimed, as the plugin asks once the typed cell ran; compared with the
+    same run only warmed."""
+    import asyncio
+
+    from jupyter_themisto.backends.base import NextCellChunk
+    from jupyter_themisto.cli.evaluate import run_examples
+    from jupyter_themisto.dump import DumpContexts, read_manifest, read_table
+
+    manifest = read_manifest(dump)
+    executions = read_table(dump, manifest, "executions")
+    instances = read_table(dump, manifest, "next_cell")[:2]
+    calls: list[tuple[str, float]] = []
+
+    class WritesAhead:
+        async def warm(self, ctx, *, ahead=False) -> None:
+            calls.append((f"warm ahead={ahead}", time.monotonic()))
+
+        async def predict_next_cell(self, ctx, n=1):
+            calls.append(("predict", time.monotonic()))
+            yield NextCellChunk(index=0, text="x = 1", done=True)
+
+        async def aclose(self) -> None:
+            pass
+
+    meta = {"task": "next-cell", "backend": "w", "with_runtime": True, "warm": True, "ahead": 0.5}
+    out_file = tmp_path / "run.jsonl"
+    batches = [(WritesAhead, instances)]
+    contexts = DumpContexts(executions, 3000)
+    assert asyncio.run(run_examples(batches, "next-cell", contexts, True, out_file, 1, meta)) == 0
+    assert [c for c, _ in calls] == ["warm ahead=True", "predict"] * 2
+    assert all(0.5 <= calls[i + 1][1] - calls[i][1] < 1.5 for i in (0, 2)), calls
+    rows = [json.loads(x) for x in out_file.open()]
+    assert all(r["ahead"] == 0.5 and r["latency"] < 0.5 for r in rows), rows
+
+    # Through the command, with the real local model: a run of its own, compared with the
+    # same run only warmed.
+    out = tmp_path / "eval"
+    for extra in (["--warm"], ["--ahead", "0.5"]):
+        r = cli("evaluate", str(dump), "--backend", "llamacpp", "--task", "next-cell",
+                "--limit", "2", "-o", "max_tokens=16", "-o", "suggestion_timeout=300",
+                "--out", str(out), *extra)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"]["next-cell__llamacpp__with-runtime__warm__ahead0.5"]
+    assert run["ahead"] == 0.5 and run["warm"] is True and run["n_errors"] == 0
+    (cmp,) = [c for c in summary["comparisons"] if c["kind"] == "ahead"]
+    assert (cmp["a_label"], cmp["b_label"]) == (
+        "llamacpp with runtime, warmed",
+        "llamacpp with runtime, warmed, written ahead 0.5 s",
+    )
+    assert "| trajectory, warmed, written ahead 0.5 s |" in (out / "results.md").read_text()
+    refused = [
+        (["--task", "next-cell", "--ahead", "-1"], "--ahead must be 0 seconds or more"),
+        (["--task", "output", "--ahead", "1"], "--warm is for next-cell suggestions"),
+    ]
+    for args, said in refused:
+        r = cli("evaluate", str(dump), "--backend", "repeat-previous", *args,
+                "--out", str(tmp_path / "e3"))  # fmt: skip
+        assert r.returncode != 0 and said in r.stderr
+    assert not (tmp_path / "e3").exists()
+
+
 def test_notebooks_without_cell_ids_match_by_position(tmp_path):
     """A notebook older than nbformat 4.5 has no cell ids: record and export name its cells by
     position alike, so the live setting still finds the markdown and the cells below."""

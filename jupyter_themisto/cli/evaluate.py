@@ -5,19 +5,24 @@ execution rows with jupyter_themisto.context.build_context, with or without the 
 summary; with --setting live also from the notebook's cells, as the browser sends them: the
 markdown above the target cell and the cells below it) and scores every prediction
 (jupyter_themisto.metrics). In --out DIR (default DUMP/evaluation) it writes, per run (task ×
-backend × with/without runtime × setting): `<task>__<backend>__<runtime>[__live][__warm].jsonl`, one
-line per example, appended and flushed as each one finishes, so an interrupted run resumes
-where it stopped (examples already scored are skipped; failed ones are retried). After each
+backend × with/without runtime × setting):
+`<task>__<backend>__<runtime>[__live][__warm[__aheadS]].jsonl`, one line per example, appended
+and flushed as each one finishes, so an interrupted run resumes where it stopped (examples
+already scored are skipped; failed ones are retried). After each
 run it rewrites, from all the runs in DIR, `summary.json`, `results.md` (a Markdown table)
 and `results.png` (each metric per run, with and without runtime side by side). Runs of one
 task and setting are also compared example by example (`compare_runs`): with runtime
 information against without, each backend against the baselines, and a `--warm` run against
-the same run unwarmed, with a bootstrap interval that says whether a difference is one; the
-comparisons with the run just made are printed.
+the same run unwarmed (an `--ahead` run against the same run only warmed), with a bootstrap
+interval that says whether a difference is one; the comparisons with the run just made are
+printed.
 
 `--warm` (next cell) times each suggestion as the plugin's flow has it: the backend evaluates
 the prompt ahead (`warm`, what the plugin asks for while the cell is typed and while it runs),
 untimed, and the suggestion is asked for after that, within the backend's own time limit.
+`--ahead S` adds the rest of that flow for a local model with `answer_ahead`: the warm-up also
+writes the suggestion, and it is asked for S seconds later (the pause in the typing and the
+cell's run, in the browser), following what was written by then, within its own time limit.
 """
 
 from __future__ import annotations
@@ -95,6 +100,15 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="next cell: let the backend evaluate each prompt ahead, untimed, before the "
         "suggestion is asked for (the plugin warms it while the cell is typed and while it runs)",
+    )
+    p.add_argument(
+        "--ahead",
+        type=float,
+        default=None,
+        metavar="S",
+        help="next cell, implies --warm: the warm-up also writes each suggestion ahead (a local"
+        " model's answer_ahead) and it is asked for S seconds later, as the plugin asks once the"
+        " cell typed has run (S: the pause before the run and the run)",
     )
     p.add_argument(
         "--min-context",
@@ -195,11 +209,25 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 
 def run_name(
-    task: str, backend: str, with_runtime: bool, setting: str = "trajectory", warm: bool = False
+    task: str,
+    backend: str,
+    with_runtime: bool,
+    setting: str = "trajectory",
+    warm: bool = False,
+    ahead: float | None = None,
 ) -> str:
     name = f"{task}__{backend}__{'with' if with_runtime else 'without'}-runtime"
     name = name if setting == "trajectory" else f"{name}__{setting}"
-    return f"{name}__warm" if warm else name
+    name = f"{name}__warm" if warm or ahead is not None else name
+    return name if ahead is None else f"{name}__ahead{ahead:g}"
+
+
+def asked(run: dict[str, Any]) -> str:
+    """How a run's suggestions were asked for, as its labels say it ("" when at once)."""
+    ahead = run.get("ahead")
+    if ahead is not None:
+        return f", warmed, written ahead {ahead:g} s"
+    return ", warmed" if run.get("warm") else ""
 
 
 def _open_results(path: Path) -> dict[str, dict[str, Any]]:
@@ -261,7 +289,12 @@ async def run_examples(
                     async with sem:
                         ctx = contexts.build(inst, with_runtime)
                         if meta.get("warm") and callable(getattr(backend, "warm", None)):
-                            await backend.warm(ctx)  # (untimed: done before it is asked)
+                            # (untimed: done before it is asked)
+                            if meta.get("ahead") is None:
+                                await backend.warm(ctx)
+                            else:
+                                await backend.warm(ctx, ahead=True)
+                                await asyncio.sleep(meta["ahead"])
                         started = time.perf_counter()
                         timed_out = getattr(backend, "timed_out", 0)
                         row: dict[str, Any] = {
@@ -315,6 +348,7 @@ def summarize_run(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         "with_runtime": first.get("with_runtime"),
         "setting": first.get("setting", "trajectory"),
         "warm": bool(first.get("warm")),
+        "ahead": first.get("ahead"),
         "dump": first.get("dump"),
         "n": len(rows),
         "n_scored": len(scored),
@@ -368,9 +402,12 @@ def compare_runs(
             if a == b or (ra["task"], ra["setting"]) != (rb["task"], rb["setting"]):
                 continue
             warm_a, warm_b = ra.get("warm", False), rb.get("warm", False)
+            ahead_a, ahead_b = ra.get("ahead"), rb.get("ahead")
             if ra["backend"] == rb["backend"] and ra["with_runtime"] == rb["with_runtime"]:
                 if warm_b and not warm_a:
                     pairs.append(("warm", a, b))
+                elif warm_a and ahead_a is None and ahead_b is not None:
+                    pairs.append(("ahead", a, b))
             elif ra["backend"] == rb["backend"] and rb["with_runtime"] and not ra["with_runtime"]:
                 if rb["backend"] not in BASELINES and warm_a == warm_b:  # (baselines ignore it)
                     pairs.append(("runtime", a, b))
@@ -404,7 +441,7 @@ def _label(run: dict[str, Any]) -> str:
         if run["backend"] in BASELINES
         else (" with runtime" if run["with_runtime"] else " without runtime")
     )
-    return f"{run['backend']}{runtime}{', warmed' if run.get('warm') else ''}"
+    return f"{run['backend']}{runtime}{asked(run)}"
 
 
 def comparison_table(comparisons: list[dict[str, Any]]) -> str:
@@ -442,7 +479,7 @@ def markdown_table(runs: dict[str, Any]) -> str:
             s["task"],
             s["backend"],
             "with" if s["with_runtime"] else "without",
-            s.get("setting", "trajectory") + (", warmed" if s.get("warm") else ""),
+            s.get("setting", "trajectory") + asked(s),
             str(s["n"]),
             str(s["n_errors"]),
         ] + [_fmt(m.get(k)) for k in keys]
@@ -472,7 +509,7 @@ def plot(runs: dict[str, Any], path: Path) -> None:
             ys = [s["metrics"].get(k) or 0.0 for k in keys]
             label = f"{s['backend']} ({'with' if s['with_runtime'] else 'without'} runtime"
             label += ", live" if s.get("setting") == "live" else ""
-            label += ", warmed)" if s.get("warm") else ")"
+            label += asked(s) + ")"
             ax.bar(xs, ys, width, label=label, hatch="" if s["with_runtime"] else "//")
         ax.set_xticks(range(len(keys)), [_METRIC_LABELS[k] for k in keys])
         ax.set_ylim(0, 1)
@@ -489,8 +526,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise CliError(f"unknown task {args.task!r}: expected next-cell or output")
     if args.concurrency < 1:
         raise CliError("--concurrency must be at least 1")
-    if args.warm and args.task != "next-cell":
+    if (args.warm or args.ahead is not None) and args.task != "next-cell":
         raise CliError("--warm is for next-cell suggestions (output predictions are not warmed)")
+    if args.ahead is not None and args.ahead < 0:
+        raise CliError("--ahead must be 0 seconds or more")
+    warm = args.warm or args.ahead is not None
     dump = Path(args.dump).expanduser()
     manifest = read_manifest(dump)
     options = parse_options(args.option)
@@ -537,7 +577,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if args.task not in getattr(backend, "tasks", TASKS):
             raise CliError(f"backend {args.backend!r} does not predict {args.task}")
         out_dir.mkdir(parents=True, exist_ok=True)
-        name = run_name(args.task, args.backend, args.with_runtime, args.setting, args.warm)
+        name = run_name(args.task, args.backend, args.with_runtime, args.setting, warm, args.ahead)
         out_file = out_dir / f"{name}.jsonl"
         done = {k for k, r in _open_results(out_file).items() if "error" not in r}
         todo = [i for i in instances if i["id"] not in done]
@@ -550,7 +590,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             "with_runtime": args.with_runtime,
             "setting": args.setting,
             "dump": str(dump),
-            **({"warm": True} if args.warm else {}),
+            **({"warm": True} if warm else {}),
+            **({"ahead": args.ahead} if args.ahead is not None else {}),
         }
         batches: list[tuple[Callable[[], Any], list[dict[str, Any]]]] = []
         if args.leave_one_out:
