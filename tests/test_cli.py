@@ -1107,6 +1107,8 @@ def test_evaluate_ahead_asks_once_the_suggestion_was_written_ahead_for_a_while(d
     assert "| trajectory, warmed, written ahead 0.5 s |" in (out / "results.md").read_text()
     refused = [
         (["--task", "next-cell", "--ahead", "-1"], "--ahead must be 0 seconds or more"),
+        (["--task", "next-cell", "--ahead", "nan"], "--ahead must be 0 seconds or more"),
+        (["--task", "next-cell", "--ahead", "inf"], "--ahead must be 0 seconds or more"),
         (["--task", "output", "--ahead", "1"], "--warm is for next-cell suggestions"),
     ]
     for args, said in refused:

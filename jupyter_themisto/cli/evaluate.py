@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -409,7 +410,8 @@ def compare_runs(
                 elif warm_a and ahead_a is None and ahead_b is not None:
                     pairs.append(("ahead", a, b))
             elif ra["backend"] == rb["backend"] and rb["with_runtime"] and not ra["with_runtime"]:
-                if rb["backend"] not in BASELINES and warm_a == warm_b:  # (baselines ignore it)
+                # (asked alike; baselines ignore how they are asked)
+                if rb["backend"] not in BASELINES and (warm_a, ahead_a) == (warm_b, ahead_b):
                     pairs.append(("runtime", a, b))
             elif ra["backend"] in BASELINES and rb["backend"] not in BASELINES:
                 # The baseline's run with the same runtime flag and --warm when there is one
@@ -528,8 +530,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise CliError("--concurrency must be at least 1")
     if (args.warm or args.ahead is not None) and args.task != "next-cell":
         raise CliError("--warm is for next-cell suggestions (output predictions are not warmed)")
-    if args.ahead is not None and args.ahead < 0:
-        raise CliError("--ahead must be 0 seconds or more")
+    if args.ahead is not None and not 0 <= args.ahead < math.inf:
+        raise CliError(f"--ahead must be 0 seconds or more (got {args.ahead:g})")
     warm = args.warm or args.ahead is not None
     dump = Path(args.dump).expanduser()
     manifest = read_manifest(dump)
