@@ -815,18 +815,26 @@ async def test_an_answer_written_ahead_is_the_one_a_suggestion_would_have_been()
     assert backend.answers == ["df.sum()\n"]
 
 
-class SlowScriptedEngine(ScriptedEngine):
-    """A scripted model that writes 3 characters every `step` seconds."""
+class GatedScriptedEngine(ScriptedEngine):
+    """A scripted model that writes each answer's first `head` characters at once and the rest
+    only once `gate` is set."""
 
-    def __init__(self, answers, step, settings=None):
+    def __init__(self, answers, head, settings=None):
         super().__init__(answers, settings)
-        self.step = step
+        self.head = head
+        self.gate = threading.Event()
 
     def produce(self, model, job, cancelled):
-        for piece in super().produce(model, job, cancelled):
-            if cancelled.wait(self.step):
-                return
-            yield piece
+        text = self.answers.pop(0) if self.answers else ""
+        for i in range(0, len(text), 3):
+            if i >= self.head:
+                while not self.gate.wait(0.01):
+                    if cancelled.is_set():
+                        return
+            yield text[i : i + 3]
+
+
+ANSWER = "df.describe()\ndf['a'].sum()\ndf.plot()\n"  # (its first 15 characters at once)
 
 
 async def test_a_suggestion_asked_while_its_answer_is_written_ahead_follows_it():
@@ -834,42 +842,39 @@ async def test_a_suggestion_asked_while_its_answer_is_written_ahead_follows_it()
     # running and then ran: the suggestion asked for that same prompt is the answer being
     # written, what it has so far at once and then the rest, not a new one begun from nothing.
     ctx = session(kernel_id="k")
-    answer = "df.describe()\ndf['a'].sum()\ndf.plot()\n"  # 14 pieces: 1.4 s at 0.1 s each
-    backend = SlowScriptedEngine([answer, "never_asked()\n"], 0.1, {"suggestion_timeout": 1.0})
+    backend = GatedScriptedEngine([ANSWER, "never_asked()\n"], 15, {"suggestion_timeout": 2.0})
     await backend.warm(ctx, ahead=True)
     (task,) = backend._writing_ahead.values()
     await asyncio.sleep(0.2)
     await backend.warm(ctx)  # (as the cell starts running: the same prompt)
     assert not task.cancelled()
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(0.8)
     runs = engine_runs(backend)
     asked = time.monotonic()
+    # The rest comes after the writing's own 2 s are over, within the suggestion's 2 s.
+    asyncio.get_running_loop().call_later(1.5, backend.gate.set)
     chunks, times = [], []
     async for chunk in backend.predict_next_cell(ctx):
         chunks.append(chunk)
         times.append(time.monotonic() - asked)
         backend.stop_ahead()  # (as asked by another notebook: a followed answer goes on)
-    # All of it, though it took longer than its 1 s from the pause: its time was moved to the
-    # suggestion's own 1 s from when it was asked. And the model was not asked again.
-    assert "".join(c.text for c in chunks) == answer.rstrip() and chunks[-1].done
-    assert runs == [] and backend.answers == ["never_asked()\n"]
-    at_once = "".join(c.text for c, t in zip(chunks, times, strict=True) if t < 0.05)
-    assert at_once.startswith("df.describe()")  # (what it wrote in the 0.6 s before)
-    assert backend.answer_ahead(ctx) == answer.rstrip()
+    assert "".join(c.text for c in chunks) == ANSWER.rstrip() and chunks[-1].done
+    assert runs == [] and backend.answers == ["never_asked()\n"]  # (the model not asked again)
+    at_once = "".join(c.text for c, t in zip(chunks, times, strict=True) if t < 1.0)
+    assert at_once == "df.describe()"  # (what it had written when asked)
+    assert backend.answer_ahead(ctx) == ANSWER.rstrip()
     assert not task.cancelled()
 
 
 async def test_an_answer_written_ahead_alone_keeps_its_time_and_another_prompt_stops_it():
     ctx = session(kernel_id="k")
-    answer = "df.describe()\ndf['a'].sum()\ndf.plot()\n"
-    backend = SlowScriptedEngine([answer], 0.1, {"suggestion_timeout": 1.0})
+    backend = GatedScriptedEngine([ANSWER], 15, {"suggestion_timeout": 1.0})
     await backend.warm(ctx, ahead=True)
-    written = await wait_for(lambda: backend.answer_ahead(ctx))
-    # (ended at its 1 s, at a whole statement: 1.4 s would have been needed)
-    assert answer.startswith(written + "\n") and written != answer.rstrip()
+    # Nobody asked for it: it ended at its own 1 s, with what it had written.
+    assert await wait_for(lambda: backend.answer_ahead(ctx)) == "df.describe()"
     # Another cell ran (its error is in the prompt now): what is written for the cell as it
     # was typed stops, and the suggestion is the model's answer to the new prompt.
-    backend = SlowScriptedEngine([answer, "df.head()\n"], 0.1, {"suggestion_timeout": 2.0})
+    backend = GatedScriptedEngine([ANSWER, "df.head()\n"], 15, {"suggestion_timeout": 2.0})
     await backend.warm(ctx, ahead=True)
     (task,) = backend._writing_ahead.values()
     await asyncio.sleep(0.3)
