@@ -884,6 +884,25 @@ async def test_an_answer_written_ahead_alone_keeps_its_time_and_another_prompt_s
     assert task.cancelled() and backend.answer_ahead(ctx) is None
 
 
+async def test_an_answer_its_time_ended_while_it_was_the_previous_cells_beginning_is_dropped():
+    # The model was writing the cell just run again and its time ran out: what it had (the
+    # beginning of that cell, held back all along) is not shown either.
+    ctx = session()
+    previous = "people = {\n    'first': ['Corey', 'Jane'],\n    'last': ['Schafer', 'Doe'],\n}"
+    ctx.cells[-1] = ContextCell(source=previous, execution_count=3)
+    backend = GatedScriptedEngine([previous + "\n"], 30, {"suggestion_timeout": 0.5})
+    with pytest.raises(NoPrediction, match="previous cell's beginning again"):
+        await stream(backend, ctx)
+    # One that departed from it before its time ran out is shown, cut where its code is whole.
+    backend = GatedScriptedEngine(
+        ["people = {'a': 1}\nprint(people)\n"], 30, {"suggestion_timeout": 0.5}
+    )
+    text = ""
+    async for chunk in backend.predict_next_cell(ctx):
+        text = chunk.text if chunk.replace else text + chunk.text
+    assert text == "people = {'a': 1}"
+
+
 async def test_only_degenerate_answers_give_no_prediction():
     ctx = session()
     backend = ScriptedEngine(["# just a comment\n", "\n\n", "print(df.shape)"])

@@ -752,6 +752,10 @@ class LocalModelPredictor(Predictor):
             shown = text[:sent]
             text = whole_statements(text) if status.get("cut") else text.rstrip()
             why = degenerate_reason(text, previous)
+            if why is None and not sent and status.get("cut") and hold_back(text, previous):
+                # Its limit ended it while it was still the previous cell's beginning (held
+                # back all along): most likely that cell again, cut.
+                why = "the previous cell's beginning again (cut by its limit)"
             if status.get("timed_out") and not text.strip():
                 why = (
                     f"no answer within {self.settings.suggestion_timeout:g} s (suggestion_timeout)"
