@@ -188,6 +188,17 @@ async def test_typing_on_stops_the_suggestion_being_written_ahead(
     store.close()
 
 
+async def typed_after_two_cells(jp_fetch, store, kernel_id, typed):
+    """Two cells recorded, then `typed` warmed with `ahead` as at a pause in its typing (204);
+    the trajectory id and that warm-up's body."""
+    recorded = ["import numpy as np", "import matplotlib.pyplot as plt"]
+    tid = record(store, kernel_id, recorded)
+    cells = [{"cell_type": "code", "source": s} for s in [*recorded, typed]]
+    body = {"kernel_id": kernel_id, "cells": cells, "warm": True, "ahead": True}
+    assert (await post(jp_fetch, "next-cell", body)).code == 204
+    return tid, body
+
+
 @pytest.mark.parametrize("early_answer_ms", [1.0])
 async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran(
     jp_fetch, jp_serverapp, store_path
@@ -196,13 +207,8 @@ async def test_the_suggestion_written_ahead_is_on_screen_first_once_the_cell_ran
     suggestion ahead; asked for once the cell ran, it is the answer, at once: the run's output
     is not in the prompt (only an error would be), so the model is not asked again."""
     store = TrajectoryStore(store_path)
-    recorded = ["import numpy as np", "import matplotlib.pyplot as plt"]
-    tid = record(store, "k-ahead", recorded)
     typed = "xs = np.linspace(0, 10, 100)\nys = np.sin(xs)\nprint(ys.max())"
-    cells = [{"cell_type": "code", "source": s} for s in [*recorded, typed]]
-    body = {"kernel_id": "k-ahead", "cells": cells, "warm": True, "ahead": True}
-    r = await post(jp_fetch, "next-cell", body)
-    assert r.code == 204
+    tid, body = await typed_after_two_cells(jp_fetch, store, "k-ahead", typed)
     backend = jp_serverapp.web_app.settings["themisto_manager"].backend(None)
     (ran, _, written, _) = await wait_for(lambda: backend._ahead.get("k-ahead"))
     assert ran == typed and written.strip()
@@ -228,12 +234,8 @@ async def test_a_suggestion_asked_while_it_is_written_ahead_follows_the_writing(
     the suggestion is that answer, as it is written: the warm-up as the cell starts running
     does not stop it, and the model is not asked again."""
     store = TrajectoryStore(store_path)
-    recorded = ["import numpy as np", "import matplotlib.pyplot as plt"]
-    tid = record(store, "k-follow", recorded)
     typed = "xs = np.linspace(0, 10, 100)\nys = np.sin(xs)"
-    cells = [{"cell_type": "code", "source": s} for s in [*recorded, typed]]
-    body = {"kernel_id": "k-follow", "cells": cells, "warm": True, "ahead": True}
-    assert (await post(jp_fetch, "next-cell", body)).code == 204
+    tid, body = await typed_after_two_cells(jp_fetch, store, "k-follow", typed)
     backend = jp_serverapp.web_app.settings["themisto_manager"].backend(None)
     writing = await wait_for(lambda: backend._writing.get("k-follow"))
     del body["ahead"]  # (as the cell starts running)
