@@ -19,6 +19,11 @@ class CliError(Exception):
         self.status = status
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a job scheduler's stop), handled as Ctrl-C is: what runs is
+    stopped and its temporary files and kernels go, instead of the process vanishing at once."""
+
+
 def progress(total: int | None, desc: str, unit: str = "it", disable: bool = False) -> Any:
     """A tqdm bar on stderr (`disable` hides it)."""
     from tqdm import tqdm

@@ -600,6 +600,44 @@ def test_evaluate_resumes_after_sigkill(dump, tmp_path):
     assert json.loads((out / "summary.json").read_text())["runs"][results.stem]["n"] == n
 
 
+def test_evaluate_stopped_by_sigterm_cleans_up_like_ctrl_c(dump, tmp_path):
+    """`kill`, `timeout` and job schedulers stop with SIGTERM: the run ends as on Ctrl-C, with
+    its history copy (a temporary store) removed and only complete result lines kept."""
+    out, tmp = tmp_path / "e", tmp_path / "tmp"
+    tmp.mkdir()
+    results = out / "next-cell__openai__with-runtime.jsonl"
+    state = {"active": 0, "max": 0}
+    with _slow_peer(0.5, state) as peer:
+        args = _evaluate_openai(dump, out, peer, "--leave-one-out")
+        env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_themisto.cli", *args],
+            env={**env, "TMPDIR": str(tmp)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if results.exists() and results.read_text().count("\n") >= 2:
+                    break
+                time.sleep(0.05)
+            held = [p.name for p in tmp.rglob("*")]
+            assert any(p.startswith("themisto-train-") for p in held), held
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.strip().splitlines()[-1] == "jupyter-themisto: terminated", stderr
+    assert list(tmp.iterdir()) == []
+    lines = results.read_text().splitlines(keepends=True)
+    assert len(lines) >= 2 and all(json.loads(x)["prediction"] for x in lines)
+    assert results.read_text().endswith("\n")
+    assert not (out / "summary.json").exists()
+
+
 def _one_line_error(r):
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
@@ -880,6 +918,59 @@ def test_a_cell_that_runs_past_the_timeout_is_interrupted_and_recorded(tmp_path)
 def nb_source(path: Path, index: int) -> str:
     nb = nbformat.read(str(path), as_version=4)
     return [c.source for c in nb.cells if c.cell_type == "code"][index]
+
+
+@pytest.mark.parametrize(
+    "signum, status, said",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_record_stopped_by_a_signal_records_the_running_cell_and_stops(
+    tmp_path, signum, status, said
+):
+    """Ctrl-C or SIGTERM while a cell runs: that cell is interrupted and recorded, no cell or
+    notebook after it runs, the recording is written and the kernel is gone (nbclient's own
+    handlers shut the kernel down at once, and `record` ended in a traceback)."""
+    import psutil
+
+    started = tmp_path / "started"
+    nb = write_notebook(
+        tmp_path / "long.ipynb",
+        [
+            "x = 1",
+            f"import os, time\nopen({str(started)!r}, 'w').write(str(os.getpid()))\n"
+            "time.sleep(120)",
+            "y = 2",
+        ],
+    )
+    other = write_notebook(tmp_path / "other.ipynb", ["z = 3"])
+    store_path = tmp_path / "s.sqlite"
+    env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
+    cmd = [sys.executable, "-m", "jupyter_themisto.cli", "--store", str(store_path), "record"]
+    proc = subprocess.Popen([*cmd, str(nb), str(other)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kernel = int(started.read_text())
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == status, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "2 cells recorded; stopped: " + signal.Signals(signum).name + " in cell 2" in stderr
+    assert stderr.strip().splitlines()[-1] == f"jupyter-themisto: {said}"
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(kernel) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(kernel)
+    with TrajectoryStore(store_path, readonly=True) as store:
+        (t,) = store.list_trajectories()  # (the second notebook never ran)
+        rows = store.list_executions(t["id"])
+    assert [e["status"] for e in rows] == ["ok", "interrupted"]
+    assert rows[1]["outputs"][-1]["ename"] == "KeyboardInterrupt"
+    assert "pending" not in {e["snapshot_status"] for e in rows}
 
 
 def test_a_dump_context_knows_its_variables_are_older_than_the_newest_cells():

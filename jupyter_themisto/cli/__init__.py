@@ -9,11 +9,15 @@ an interruption never leaves a half-written result behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from .._version import __version__
-from ..console import CliError
+from ..console import CliError, Terminated
 
 __all__ = ["CliError", "main"]
 
@@ -41,12 +45,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[list[int]]:
+    """SIGTERM does what Ctrl-C does at that moment (in asyncio.run: the running task is
+    cancelled first), and is remembered (the list it yields) so that the exit says which."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen  # only the main thread may set signal handlers
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):
+            raise Terminated
+        handler(signal.SIGINT, frame)
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    terminated: list[int] = []
     try:
-        return int(args.func(args) or 0)
+        with _sigterm_as_interrupt() as terminated:
+            return int(args.func(args) or 0)
     except CliError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.status
@@ -60,9 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, Terminated) or terminated:
+            print(f"{PROG}: terminated", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
 
 
 def run() -> None:

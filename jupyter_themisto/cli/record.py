@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..console import CliError, progress
+from ..console import CliError, Terminated, progress
 from ..dump.schema import notebook_cell_id
 from ..kernel_client import (
     RECORDER,
@@ -182,18 +185,39 @@ def record_notebook(
     current: dict[str, Any] = {"cell_id": None}
     # After the cells: the last snapshot (inline, as long as a cell may take) and the writer.
     flush_timeout = timeout
+    stopped: list[int] = []  # Ctrl-C or SIGTERM while the notebook ran
+
+    def stop(signum: int) -> None:
+        """Ctrl-C (SIGINT) or SIGTERM: the running cell is interrupted and recorded, no cell
+        starts after it, and the recording is written; a second one stops at once."""
+        if stopped:
+            raise KeyboardInterrupt
+        stopped.append(signum)
+        print(
+            f"\n{path.name}: stopping: the running cell is interrupted and the recording "
+            "written (again to stop at once)",
+            file=sys.stderr,
+        )
+        if current.get("running") and client.km is not None:
+            asyncio.ensure_future(ensure_async(client.km.interrupt_kernel()))
 
     async def run() -> None:
         nonlocal error, trajectory_id, status
         try:
             async with client.async_setup_kernel(env=env):
+                # (in place of nbclient's handlers, which shut the kernel down at once)
+                _on_stop_signals(stop)
                 _send_cell_ids(client.kc, current)
                 await _execute_silent(client, _LOAD)
                 await _execute_silent(client, _SET_MODE.format(mode=snapshot_mode))
                 tid = await _query(client, _TRAJECTORY)
                 trajectory_id = tid if isinstance(tid, str) else None
                 for index, cell in code_cells:
+                    if stopped:
+                        error = f"{signal.Signals(stopped[0]).name} before cell {index}"
+                        break
                     current["cell_id"] = notebook_cell_id(cell, index)
+                    current["running"] = True
                     try:
                         await client.async_execute_cell(cell, index)
                     except CellTimeoutError:
@@ -210,6 +234,12 @@ def record_notebook(
                     except DeadKernelError:
                         error = f"the kernel died in cell {index}"
                         return
+                    finally:
+                        current["running"] = False
+                        if stopped:  # (the cell ran to its end or was interrupted: recorded)
+                            error = f"{signal.Signals(stopped[0]).name} in cell {index}"
+                    if stopped:
+                        break
                     bar.update(1)
                 # The last execution is written after its reply and snapshots may still run:
                 # wait for both before the kernel goes away. (Should this give up, the
@@ -228,12 +258,18 @@ def record_notebook(
         except (RuntimeError, OSError) as e:
             raise CliError(f"cannot run {path}: {type(e).__name__}: {e}") from e
 
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         asyncio.run(run())
     finally:
         bar.close()
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in handlers.items():  # (nbclient leaves the defaults)
+                if handler is not None:
+                    signal.signal(signum, handler)
     recorded, lost = _count_recorded(store, trajectory_id)
     return {
+        "stopped": stopped[0] if stopped else None,
         "trajectory_id": trajectory_id,
         "cells": recorded,
         "lost": lost,
@@ -242,6 +278,17 @@ def record_notebook(
         "recorder_errors": status.get("errors", 0),
         "last_recorder_error": status.get("last_error"),
     }
+
+
+def _on_stop_signals(stop: Callable[[int], None]) -> None:
+    """Call `stop(signum)` on SIGINT and SIGTERM while the event loop runs (in the main thread;
+    elsewhere signals keep their handlers)."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(signum, stop, signum)
+        except (RuntimeError, NotImplementedError, ValueError):
+            return
 
 
 async def _finish(client: Any, timeout: float) -> None:
@@ -317,4 +364,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             print(f"{line}; stopped: {result['error']}", file=sys.stderr)
         else:
             print(line)
+        if result["stopped"] == signal.SIGTERM:
+            raise Terminated  # (the notebooks after it are not run)
+        if result["stopped"] is not None:
+            raise KeyboardInterrupt
     return 1 if failed else 0
