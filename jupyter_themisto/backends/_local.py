@@ -626,9 +626,7 @@ class LocalModelPredictor(Predictor):
         """
         # The suggestion being written ahead for this cell (`answer_ahead`) is kept while this
         # finds out whether it is the one asked for: the same prompt (then it is followed).
-        writing = self._writing.get(notebook_key(ctx)) if n <= 1 else None
-        if writing is not None and (writing.over or writing.previous != ctx.previous_code()):
-            writing = None
+        writing = self._being_written(ctx) if n <= 1 else None
         if writing is not None:
             writing.followers += 1
         try:
@@ -877,8 +875,8 @@ class LocalModelPredictor(Predictor):
         runs next. With `ahead` (and `answer_ahead`), the suggestion for the newest prompt is
         then written in the background (see `answer_ahead`)."""
         key = notebook_key(ctx)
-        being_written = self._writing.get(key)
-        if being_written is not None and being_written.previous == ctx.previous_code():
+        being_written = self._being_written(ctx)
+        if being_written is not None:
             model = await self._model()
             if (await self._prompt_with_examples(ctx, model)).text == being_written.prompt:
                 return  # (evaluated, and its suggestion is being written: as the cell runs)
@@ -959,6 +957,14 @@ class LocalModelPredictor(Predictor):
             self._ahead.move_to_end(key)
             while len(self._ahead) > AHEAD_KEPT:  # (notebooks closed long ago)
                 self._ahead.popitem(last=False)
+
+    def _being_written(self, ctx: PredictionContext) -> Writing | None:
+        """The suggestion still being written ahead for `ctx`'s notebook since the cell `ctx`
+        last ran (its prompt may have more: the caller compares), if there is one."""
+        writing = self._writing.get(notebook_key(ctx))
+        if writing is None or writing.over or writing.previous != ctx.previous_code():
+            return None
+        return writing
 
     def answer_ahead(self, ctx: PredictionContext) -> str | None:
         """The suggestion written ahead for `ctx`'s notebook, if it was written after the cell
