@@ -673,6 +673,9 @@ class KernelSecrets:
         for form in self._forms:
             encoded.add(form.encode("utf-8", "surrogatepass"))
             encoded.add(form.encode("utf-32-le", "surrogatepass"))  # numpy's str arrays
+            # (a value a person encoded: `.encode("utf-16")` is little-endian, with a BOM)
+            encoded.add(form.encode("utf-16-le", "surrogatepass"))
+            encoded.add(form.encode("utf-16-be", "surrogatepass"))
         self._encoded = sorted(encoded, key=len, reverse=True)
         self.generation += 1
         return True

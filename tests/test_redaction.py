@@ -276,11 +276,14 @@ def test_kernel_secrets_follow_values(monkeypatch):
     # A displayed dict's secret is learnt from the output itself.
     shown = ks.scrub_output("{'password': 'shown-planted-0006', 'n': 1}")
     assert "shown-planted-0006" not in shown and "shown-planted-0006" in ks.values
-    # Values holding a secret: strings, serialized bytes (utf-8 and numpy's utf-32), summaries.
+    # Values holding a secret: strings, serialized bytes (utf-8, numpy's utf-32 and a person's
+    # own utf-16 of either byte order), summaries.
     assert ks.stub_reason(SECRET) == SECRET_VALUE_REASON
     assert ks.stub_reason(f"prefix {SECRET} suffix") == SECRET_VALUE_REASON
     assert ks.stub_reason(data=pickle.dumps([1, {"k": SECRET}])) == SECRET_VALUE_REASON
-    assert ks.stub_reason(data=SECRET.encode("utf-32-le")) == SECRET_VALUE_REASON
+    for encoding in ("utf-32-le", "utf-16", "utf-16-be"):
+        held = pickle.dumps({"k": SECRET.encode(encoding)})
+        assert ks.stub_reason(data=held) == SECRET_VALUE_REASON, encoding
     assert ks.stub_reason(summary={"repr": f"[{SECRET!r}]"}) == SECRET_VALUE_REASON
     assert ks.stub_reason("plain", data=pickle.dumps([1, 2]), summary={"repr": "[1, 2]"}) is None
     # Credential shapes make a stub with nothing learnt before.

@@ -41,6 +41,8 @@ CELLS = [
     "val = 'late' + 'planted-0006-value'\nprint(val)",
     # ...until it is bound to a secret name.
     "secret_later = val",
+    # The secret as bytes a person encoded (not found as UTF-8 or UTF-32 inside the pickle).
+    "wide = api_key.encode('utf-16')\nwide_be = api_key.encode('utf-16-be')",
     "n = 3\nn * 2",
 ]
 
@@ -79,12 +81,14 @@ def recorded(store_path, monkeypatch):
 
 
 def leaks(data: bytes | str) -> list[str]:
-    """The planted secrets found in `data` (as UTF-8, or as numpy's UTF-32 for bytes)."""
+    """The planted secrets found in `data` (as UTF-8, or in bytes also as numpy's UTF-32 and
+    UTF-16 of either byte order)."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogatepass")
     found = []
     for name, value in PLANTED.items():
-        if value.encode() in data or value.encode("utf-32-le") in data:
+        encodings = ("utf-8", "utf-32-le", "utf-16-le", "utf-16-be")
+        if any(value.encode(e) in data for e in encodings):
             found.append(name)
     return found
 
@@ -115,7 +119,7 @@ async def test_planted_secrets_leak_nowhere(
     with TrajectoryStore(store_path, readonly=True) as store:
         variables = {v["name"]: v for v in store.get_variables(rows[-1]["id"])}
         early = {v["name"]: v for v in store.get_variables(by_cell["cell-8"]["id"])}
-    for name in ("x", "holder", "frame", "model_cfg", "val"):
+    for name in ("x", "holder", "frame", "model_cfg", "val", "wide", "wide_be"):
         assert variables[name]["stub_reason"] == SECRET_VALUE_REASON, name
         assert variables[name]["blob_hash"] is None and variables[name]["fingerprint"] is None
     assert variables["api_key"]["stub_reason"].startswith("redacted")

@@ -199,7 +199,7 @@ def record_notebook(
             file=sys.stderr,
         )
         if current.get("running") and client.km is not None:
-            asyncio.ensure_future(ensure_async(client.km.interrupt_kernel()))
+            current["interrupt"] = asyncio.ensure_future(ensure_async(client.km.interrupt_kernel()))
 
     async def run() -> None:
         nonlocal error, trajectory_id, status
