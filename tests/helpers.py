@@ -149,14 +149,35 @@ def execute_content(code: str) -> dict[str, Any]:
     }
 
 
-def cli(
-    *args: str, store: Path | None = None, timeout: float = 300, **kw: Any
-) -> subprocess.CompletedProcess[str]:
-    """`python -m jupyter_themisto.cli ARGS` (on `store` if given, never on the environment's)."""
+def _cli_command(args: tuple[str, ...], store: Path | None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of `python -m jupyter_themisto.cli ARGS`: on `store`
+    if given, never on the environment's."""
     cmd = [sys.executable, "-m", "jupyter_themisto.cli"]
     if store is not None:
         cmd += ["--store", str(store)]
     env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
-    return subprocess.run(
-        cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, **kw
+    return cmd + list(args), env
+
+
+def cli(
+    *args: str, store: Path | None = None, timeout: float = 300, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """`python -m jupyter_themisto.cli ARGS`, run to its end."""
+    cmd, env = _cli_command(args, store)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+def cli_process(
+    *args: str, store: Path | None = None, env: dict[str, str] | None = None, **kw: Any
+) -> subprocess.Popen[str]:
+    """`python -m jupyter_themisto.cli ARGS` started (to be signalled or killed), with `env`
+    added to its environment and its stdout and stderr piped."""
+    cmd, base = _cli_command(args, store)
+    return subprocess.Popen(
+        cmd,
+        env={**base, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
     )

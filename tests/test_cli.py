@@ -26,7 +26,7 @@ from jupyter_themisto.context import outputs_to_text
 from jupyter_themisto.dump import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.store import SCHEMA_VERSION, TrajectoryStore
 from jupyter_themisto.store.schema import MIGRATIONS
-from tests.helpers import cli
+from tests.helpers import cli, cli_process
 from tests.peers import Fault, OpenAIPeer
 
 PNG = base64.b64encode(os.urandom(3000)).decode()
@@ -568,13 +568,7 @@ def test_evaluate_resumes_after_sigkill(dump, tmp_path):
     state = {"active": 0, "max": 0, "delay": 0.5}
     with _slow_peer(0.5, state) as peer:
         args = _evaluate_openai(dump, out, peer)
-        env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_themisto.cli", *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        proc = cli_process(*args)
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -609,14 +603,7 @@ def test_evaluate_stopped_by_sigterm_cleans_up_like_ctrl_c(dump, tmp_path):
     state = {"active": 0, "max": 0}
     with _slow_peer(0.5, state) as peer:
         args = _evaluate_openai(dump, out, peer, "--leave-one-out")
-        env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_themisto.cli", *args],
-            env={**env, "TMPDIR": str(tmp)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = cli_process(*args, env={"TMPDIR": str(tmp)})
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -945,9 +932,7 @@ def test_record_stopped_by_a_signal_records_the_running_cell_and_stops(
     )
     other = write_notebook(tmp_path / "other.ipynb", ["z = 3"])
     store_path = tmp_path / "s.sqlite"
-    env = {k: v for k, v in os.environ.items() if k != "THEMISTO_STORE"}
-    cmd = [sys.executable, "-m", "jupyter_themisto.cli", "--store", str(store_path), "record"]
-    proc = subprocess.Popen([*cmd, str(nb), str(other)], env=env, stderr=subprocess.PIPE, text=True)
+    proc = cli_process("record", str(nb), str(other), store=store_path)
     try:
         deadline = time.monotonic() + 120
         while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
