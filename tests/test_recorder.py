@@ -649,6 +649,51 @@ def test_executions_while_the_store_is_locked_come_back_as_lost_rows(tmp_path):
     assert "locked" in exported[1]["detail"]
 
 
+def test_the_writer_opens_and_closes_its_store_only_while_no_fork_can_happen(tmp_path):
+    """Opening a store writes (schema, WAL mode) and closing one may checkpoint: a snapshot
+    child forked meanwhile inherits SQLite's per-file lock state as its own, and never gets
+    the write lock itself (its snapshot stayed `pending`). The writer does both under
+    `fork_lock`, which the kernel takes to fork: here the file is deleted under it, so that
+    it closes the store and opens a new one."""
+    from jupyter_themisto.kernel.writer import RecordWriter
+
+    held: list[tuple[str, bool]] = []
+    path = tmp_path / "t.sqlite"
+    writer: RecordWriter
+
+    class Store(TrajectoryStore):
+        def close(self) -> None:
+            held.append(("close", writer.fork_lock.locked()))
+            super().close()
+
+    def open_store(timeout: float) -> TrajectoryStore:
+        held.append(("open", writer.fork_lock.locked()))
+        return Store(path, timeout=timeout)
+
+    writer = RecordWriter(open_store, report=lambda what, e: None)
+    fallback = {"source": "", "status": "ok"}
+
+    def prepare(source):
+        return lambda put_blob: {"source": source, "status": "ok", "outputs": []}
+
+    try:
+        writer.create_trajectory("t1", lambda: {})
+        writer.add_execution("t1", 0, prepare("a = 1"), fallback=fallback, direct=False)
+        assert writer.wait_idle(30)
+        for f in tmp_path.glob("t.sqlite*"):
+            f.unlink()
+        writer.add_execution("t1", 1, prepare("b = 2"), fallback=fallback, direct=False)
+        writer.add_execution("t1", 2, prepare("c = 3"), fallback=fallback, direct=False)
+        assert writer.wait_idle(30)
+    finally:
+        writer.close()
+    assert [what for what, _ in held] == ["open", "close", "open"]
+    assert all(locked for _, locked in held), held
+    with TrajectoryStore(path) as store:
+        rows = store.list_executions("t1")
+    assert [(r["source"], r["status"]) for r in rows] == [("", "lost"), ("c = 3", "ok")]
+
+
 def test_large_outputs_are_written_off_the_kernel_thread(tmp_path):
     """An execution with large outputs is prepared (decoded, hashed, compressed) and written by
     the writer thread even when nothing waits; a small one right there, on the caller's."""

@@ -8,8 +8,9 @@ open (the child never touches it). The child ignores SIGINT, leaves the kernel's
 by the moment it needs), bounds its own CPU time (`max_snapshot_seconds`), lowers its priority
 (nice 19), points fds 1 and 2 at /dev/null (ipykernel forwards a forked child's output into the
 person's cell), disables gc (a collected file object would flush), opens its own connection,
-waits for the execution's row if the writer has not written it yet, serializes and writes, and
-leaves with `os._exit`. A thread per child (waiting on a pidfd) reaps it and marks its snapshot
+waits for the execution's row if the writer has not written it yet, serializes and writes (again
+in the file now at the path if the store's file was deleted or replaced meanwhile), and leaves
+with `os._exit`. A thread per child (waiting on a pidfd) reaps it and marks its snapshot
 `failed` with the reason if it died without writing one; gc is unfrozen once none is left.
 """
 
@@ -30,6 +31,7 @@ from .variables import user_variables
 CHILD_OK = 0
 CHILD_FAILED = 3
 CHILD_NO_ROW = 4  # the execution was never written (lost): nothing to attach a snapshot to
+CHILD_UNWRITTEN = 5  # neither the snapshot nor a `failed` note of its own could be written
 _CHILD_NICE = 19
 
 
@@ -47,7 +49,7 @@ class SnapshotChild:
 
 def run_child(recorder: Any, order: int, writer_for: Callable[[Any], SnapshotWriter]) -> NoReturn:
     """The child's whole life after the fork: snapshot execution `order`, then `os._exit`."""
-    code = CHILD_FAILED
+    code = CHILD_UNWRITTEN  # until something is written
     try:
         gc.disable()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -73,62 +75,104 @@ def run_child(recorder: Any, order: int, writer_for: Callable[[Any], SnapshotWri
         sink = open(os.devnull, "w")  # noqa: SIM115 - lives until os._exit
         sys.stdout = sys.stderr = sink
         variables = list(user_variables(recorder.shell))
-        from ..store import TrajectoryStore
         from ..store.processes import process_identity
 
         # Its own connection; nothing of the kernel's (the writer thread's) is touched.
-        store = TrajectoryStore(recorder.store_file, migrate=False)
-        store, execution_id = wait_for_row(store, recorder.trajectory_id, order)
-        if execution_id is None:
-            code = CHILD_NO_ROW
-        else:
-            try:
-                # This process resolves the snapshot now: if it dies (with its kernel or
-                # not), a sweep finds it gone and marks the snapshot failed.
-                store.set_snapshot_owner(execution_id, process_identity("snapshot"))
-                writer_for(store).write(execution_id, variables, mode="fork")
-                code = CHILD_OK
-            except BaseException as e:  # noqa: B036
-                try:
-                    store.write_snapshot(
-                        execution_id,
-                        [],
-                        status="failed",
-                        mode="fork",
-                        detail=f"{type(e).__name__}: {str(e)[:500]}",
-                        replace_failed=True,
-                    )
-                except BaseException:  # noqa: B036
-                    pass
+        store = None
+        for _ in range(3):
+            store, execution_id = wait_for_row(
+                store, recorder.store_file, recorder.trajectory_id, order
+            )
+            if execution_id is None:
+                code = CHILD_NO_ROW
+                break
+            code = _write(store, execution_id, variables, writer_for, process_identity)
+            if store.intact():
+                break
+            # The file was deleted or replaced while it was written: again, in the file now
+            # at the path, which the kernel's writer writes to.
     finally:
         os._exit(code)
 
 
-def wait_for_row(store: Any, trajectory_id: str | None, order: int) -> tuple[Any, int | None]:
+def _write(
+    store: Any,
+    execution_id: int,
+    variables: list[tuple[str, Any]],
+    writer_for: Callable[[Any], SnapshotWriter],
+    process_identity: Callable[[str], Any],
+) -> int:
+    """Write the snapshot (or a `failed` one saying why it could not be taken): the exit code."""
+    try:
+        # This process resolves the snapshot now: if it dies (with its kernel or not), a sweep
+        # finds it gone and marks the snapshot failed.
+        store.set_snapshot_owner(execution_id, process_identity("snapshot"))
+        writer_for(store).write(execution_id, variables, mode="fork")
+        return CHILD_OK
+    except BaseException as e:  # noqa: B036
+        try:
+            store.write_snapshot(
+                execution_id,
+                [],
+                status="failed",
+                mode="fork",
+                detail=f"{type(e).__name__}: {str(e)[:500]}",
+                replace_failed=True,
+            )
+            return CHILD_FAILED
+        except BaseException:  # noqa: B036
+            return CHILD_UNWRITTEN  # the kernel notes it, through its writer
+
+
+def wait_for_row(
+    store: Any, path: Any, trajectory_id: str | None, order: int
+) -> tuple[Any, int | None]:
     """The store and the execution's id once the kernel's writer has written it (the child may
-    be first). A store file deleted or replaced meanwhile is followed: the writer writes the
-    row into the new file at the same path."""
+    be first); `store` None: the file at `path` is not open yet. A store file deleted or
+    replaced meanwhile is followed: the writer writes the row into the new file at the same
+    path. The child never makes that file itself (the writer does, with its schema): a file
+    made here could take up the old file's WAL, about to be deleted, and the writer's rows
+    would never show in it."""
+    from ..store import TrajectoryStore
+
     if trajectory_id is None:
         return store, None
     deadline = time.monotonic() + 120.0
     pause = 0.005
+    opened = time.monotonic()
     while True:
-        try:
-            found = store.execution_id(trajectory_id, order)
-        except Exception:
-            found = None
+        # Opened again when its file was replaced (once the writer has made the new one), and
+        # every 2 s anyway: a connection opened while the file was being made, or its WAL
+        # replaced, may not see what the writer writes, and look intact. (The header is not
+        # read from the file this process holds open: closing that read would drop its locks.)
+        replaced = store is None or not store.intact()
+        if (replaced and _is_database(path)) or (not replaced and time.monotonic() - opened > 2):
+            try:
+                fresh = TrajectoryStore(path, migrate=False)
+            except Exception:
+                pass  # (being made: the next look)
+            else:
+                if store is not None:
+                    store.close()
+                store, opened = fresh, time.monotonic()
+        found = None
+        if store is not None:
+            try:
+                found = store.execution_id(trajectory_id, order)
+            except Exception:
+                found = None
         if found is not None or time.monotonic() > deadline:
             return store, found
-        if not store.intact():
-            try:
-                fresh = type(store)(store.path, migrate=False)
-            except Exception:
-                pass  # (not there yet: the writer makes it)
-            else:
-                store.close()
-                store = fresh
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
+
+
+def _is_database(path: Any) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
 
 
 def wait_child(child: SnapshotChild, limit: float) -> int | None:
@@ -182,6 +226,8 @@ def failure_reason(child: SnapshotChild, status: int | None, limit: float) -> st
         except ValueError:
             name = f"signal {-code}"
         return f"the snapshot process was killed by {name}"
+    if code == CHILD_UNWRITTEN:
+        return "the snapshot process could not write to the store (locked or unwritable)"
     if code not in (CHILD_OK, CHILD_FAILED, CHILD_NO_ROW):
         return f"the snapshot process exited with status {code}"
     return None

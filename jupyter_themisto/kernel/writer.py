@@ -25,8 +25,10 @@ the file was deleted, and went into it). A store whose WAL file alone was remove
 has what this process committed checkpointed into the database, through the descriptors its
 connection still holds, and nothing is lost.
 
-`fork_lock` is held around every call the thread makes into SQLite: the kernel takes it to
-fork, so that no child inherits SQLite's internal mutexes half-held by the thread.
+`fork_lock` is held around every call the thread makes into SQLite (opening and closing the
+store too): the kernel takes it to fork, so that no child inherits SQLite's internal mutexes, or
+a lock on the file, half-held by the thread (SQLite keeps the locks a process holds per file in
+memory shared by its connections: a child that inherited "write lock held" could never write).
 """
 
 from __future__ import annotations
@@ -234,7 +236,11 @@ class RecordWriter:
         """The open store with every pending trajectory created, or None."""
         if self.store is None:
             try:
-                self.store = self._open_store(_BUSY_TIMEOUT)
+                # Under fork_lock like every SQLite call of this thread: opening writes (the
+                # schema, WAL mode), and a child forked meanwhile would inherit that lock as
+                # held by its own process (SQLite's per-inode state) and never get it itself.
+                with self.fork_lock:
+                    self.store = self._open_store(_BUSY_TIMEOUT)
             except BaseException as e:  # noqa: B036
                 self.last_error = f"cannot open the trajectory store: {_describe(e)}"
                 return None
@@ -323,7 +329,7 @@ class RecordWriter:
             self._unchanged_store()
             self.written += 1
         except sqlite3.IntegrityError as e:
-            if store.execution_id(trajectory_id, order_index) is None:
+            if self._locked(partial(store.execution_id, trajectory_id, order_index)) is None:
                 self._lose(trajectory_id, order_index, fallback, e)
         except BaseException as e:  # noqa: B036
             self._lose(trajectory_id, order_index, fallback, e)
@@ -365,7 +371,8 @@ class RecordWriter:
                 )
             except sqlite3.IntegrityError as e:
                 known = trajectory_id in self._created
-                if known and store.execution_id(trajectory_id, order_index) is None:
+                written = partial(store.execution_id, trajectory_id, order_index)
+                if known and self._locked(written) is None:
                     # Not a place taken (the execution written after all): its trajectory is
                     # missing from the file. Created again before the next try.
                     self.last_error = f"the execution could not be written: {_describe(e)}"
@@ -392,7 +399,8 @@ class RecordWriter:
         self._created.clear()
         try:
             if store is not None:
-                store.close()
+                with self.fork_lock:
+                    store.close()
         except Exception:
             pass
 
