@@ -12,7 +12,10 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
    - *session*: the prefix up to the new cell is cached (the previous request's prompt);
    - *warmed*: the backend evaluated the prompt when the execution was recorded (`warm`);
    - *cold*: nothing of the prompt is cached (a first line unique to the request);
-   first chunk and whole suggestion (n=1, greedy), and how many answers reached the limit.
+   first chunk and whole suggestion (n=1, greedy), and how many answers reached the limit;
+   how many requests got an answer per case, and the first chunk of those alone (a request
+   whose answer was dropped counts its whole time as its first chunk: a quick "nothing"
+   would otherwise look fast).
    Also: load time and generation speed. The cases run with the defaults (each prompt cut to
    its budget anew); `--compare` runs them again with `stable_prompt_start` (`--cold-tokens
    N`: and again with `cold_prompt_tokens` N too), `--reuse N` with `cache_reuse_tokens` N,
@@ -223,6 +226,12 @@ async def cases(
     watch_engine(cold_backend)
     session_first, session_total, warm_first, cold_first, cold_total = [], [], [], [], []
     session_engine, cold_engine = [], []
+    # Whether each request got an answer (a suggestion shown, not dropped): a request that
+    # ends with none counts its whole time as its first chunk, and a quick "nothing" would
+    # look fast.
+    session_got: list[bool] = []
+    cold_got: list[bool] = []
+    warm_got: list[bool] = []
     for path in notebooks:
         cells = notebook_cells(path, n_cells)
         # (a first line of this run's own: no earlier run's prompt is in the engine's cache)
@@ -231,13 +240,15 @@ async def cases(
         for k in range(3, len(cells) + 1):
             # The person ran cell k: the prompt up to it is the previous one plus that cell.
             before = len(ENGINE_WAITS)
-            first, total, _ = await timed(backend, context(cells[:k], run))
+            first, total, said = await timed(backend, context(cells[:k], run))
+            session_got.append(bool(said.strip()))
             session_first.append(first)
             session_total.append(total)
             session_engine += ENGINE_WAITS[before:]
             # Cold: a first line no earlier prompt had.
             before = len(ENGINE_WAITS)
-            first, total, _ = await timed(cold_backend, context(cells[:k], f"# {uuid.uuid4()}"))
+            first, total, said = await timed(cold_backend, context(cells[:k], f"# {uuid.uuid4()}"))
+            cold_got.append(bool(said.strip()))
             cold_first.append(first)
             cold_total.append(total)
             cold_engine += ENGINE_WAITS[before:]
@@ -245,7 +256,8 @@ async def cases(
         mark = f"# {uuid.uuid4()}"
         for k in range(3, len(cells) + 1):
             await backend.warm(context(cells[:k], mark))
-            first, _, _ = await timed(backend, context(cells[:k], mark))
+            first, _, said = await timed(backend, context(cells[:k], mark))
+            warm_got.append(bool(said.strip()))
             warm_first.append(first)
     _, _, example = await timed(backend, context(notebook_cells(notebooks[0], 6)))
     print(f"example suggestion after 6 cells of {notebook_name(notebooks[0])}: {example!r}")
@@ -258,6 +270,14 @@ async def cases(
     print(f"  the engine's first text, cold:           {ms(cold_engine)}")
     print(f"whole suggestion, prefix cached:           {ms(session_total)}")
     print(f"whole suggestion, cold:                    {ms(cold_total)}")
+
+    def answered(firsts: list[float], got: list[bool]) -> str:
+        shown = [f for f, g in zip(firsts, got, strict=True) if g]
+        return f"{sum(got)} of {len(got)}, first chunk {ms(shown)}"
+
+    print(f"answered, prefix cached: {answered(session_first, session_got)}")
+    print(f"answered, warmed ahead:  {answered(warm_first, warm_got)}")
+    print(f"answered, cold:          {answered(cold_first, cold_got)}")
     everything = session_total + cold_total
     long_first: list[float] = []
     for path in long:

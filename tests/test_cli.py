@@ -832,19 +832,15 @@ def test_record_counts_what_ran_and_a_slow_last_snapshot_is_a_clear_error(tmp_pa
     """Empty code cells run nothing and are not counted. A final snapshot that outlasts the
     wait gives one line saying so (no traceback), every execution is in the store, and the
     snapshot the kernel could not finish does not stay pending."""
+    slow = (
+        "import time\n"
+        "class Slow:\n"
+        "    def __reduce__(self):\n"
+        "        time.sleep(30)\n"
+        "        return (Slow, ())\n"
+    )
     nb = write_notebook(
-        tmp_path / "slow.ipynb",
-        [
-            "a = 1",
-            "",
-            "   \n",
-            "import time\n"
-            "class Slow:\n"
-            "    def __reduce__(self):\n"
-            "        time.sleep(30)\n"
-            "        return (Slow, ())\n"
-            "x, y, z = Slow(), Slow(), Slow()",
-        ],
+        tmp_path / "slow.ipynb", ["a = 1", "", "   \n", slow + "x, y, z = Slow(), Slow(), Slow()"]
     )
     store_path = tmp_path / "s.sqlite"
     # Each slow variable is given 5 s (max_variable_seconds) in the last, inline snapshot: 15 s,
@@ -861,8 +857,10 @@ def test_record_counts_what_ran_and_a_slow_last_snapshot_is_a_clear_error(tmp_pa
         store.sweep_pending_snapshots()
         assert "pending" not in {e["snapshot_status"] for e in store.list_executions(t["id"])}
 
-    # The same notebook given the time it needs: every snapshot written, nothing reported.
-    r = cli("record", str(nb), "--timeout", "30", store=store_path)
+    # Given the time it needs (one slow variable: 5 s): every snapshot written, nothing
+    # reported.
+    one = write_notebook(tmp_path / "one.ipynb", ["a = 1", slow + "x = Slow()"])
+    r = cli("record", str(one), "--timeout", "30", store=store_path)
     assert r.returncode == 0, r.stderr
     assert "2 cells recorded" in r.stdout
     with TrajectoryStore(store_path, readonly=True) as store:
