@@ -75,8 +75,6 @@ def run_child(recorder: Any, order: int, writer_for: Callable[[Any], SnapshotWri
         sink = open(os.devnull, "w")  # noqa: SIM115 - lives until os._exit
         sys.stdout = sys.stderr = sink
         variables = list(user_variables(recorder.shell))
-        from ..store.processes import process_identity
-
         # Its own connection; nothing of the kernel's (the writer thread's) is touched.
         store = None
         for _ in range(3):
@@ -86,7 +84,7 @@ def run_child(recorder: Any, order: int, writer_for: Callable[[Any], SnapshotWri
             if execution_id is None:
                 code = CHILD_NO_ROW
                 break
-            code = _write(store, execution_id, variables, writer_for, process_identity)
+            code = _write(store, execution_id, variables, writer_for)
             if store.intact():
                 break
             # The file was deleted or replaced while it was written: again, in the file now
@@ -100,9 +98,10 @@ def _write(
     execution_id: int,
     variables: list[tuple[str, Any]],
     writer_for: Callable[[Any], SnapshotWriter],
-    process_identity: Callable[[str], Any],
 ) -> int:
     """Write the snapshot (or a `failed` one saying why it could not be taken): the exit code."""
+    from ..store.processes import process_identity
+
     try:
         # This process resolves the snapshot now: if it dies (with its kernel or not), a sweep
         # finds it gone and marks the snapshot failed.
@@ -134,6 +133,7 @@ def wait_for_row(
     made here could take up the old file's WAL, about to be deleted, and the writer's rows
     would never show in it."""
     from ..store import TrajectoryStore
+    from ..store.trajectory_store import is_sqlite_file
 
     if trajectory_id is None:
         return store, None
@@ -146,7 +146,7 @@ def wait_for_row(
         # replaced, may not see what the writer writes, and look intact. (The header is not
         # read from the file this process holds open: closing that read would drop its locks.)
         replaced = store is None or not store.intact()
-        if (replaced and _is_database(path)) or (not replaced and time.monotonic() - opened > 2):
+        if (replaced and is_sqlite_file(path)) or (not replaced and time.monotonic() - opened > 2):
             try:
                 fresh = TrajectoryStore(path, migrate=False)
             except Exception:
@@ -160,19 +160,11 @@ def wait_for_row(
             try:
                 found = store.execution_id(trajectory_id, order)
             except Exception:
-                found = None
+                pass  # (a file still being made, a lock: the next look)
         if found is not None or time.monotonic() > deadline:
             return store, found
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
-
-
-def _is_database(path: Any) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(16) == b"SQLite format 3\x00"
-    except OSError:
-        return False
 
 
 def wait_child(child: SnapshotChild, limit: float) -> int | None:

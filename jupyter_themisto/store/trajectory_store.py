@@ -21,6 +21,8 @@ from .schema import migrate as migrate_schema
 from .schema import record_digest
 
 STORE_ENV = "THEMISTO_STORE"
+#: the first 16 bytes of every SQLite database file
+SQLITE_HEADER = b"SQLite format 3\x00"
 
 # Blobs smaller than this are not worth a compression frame.
 _COMPRESS_MIN = 64
@@ -100,6 +102,16 @@ def resolve_store_path(path: str | os.PathLike[str] | None = None) -> Path:
 def blob_hash(data: bytes | memoryview) -> str:
     """The content address of a blob: sha256 of its uncompressed bytes."""
     return hashlib.sha256(data).hexdigest()
+
+
+def is_sqlite_file(path: str | os.PathLike[str]) -> bool:
+    """A SQLite database is at `path` (its header written). Opens and closes the file: not
+    for a file this process holds a SQLite connection to (closing drops its locks)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == SQLITE_HEADER
+    except OSError:
+        return False
 
 
 class TrajectoryStore:
@@ -247,7 +259,7 @@ class TrajectoryStore:
             same = os.fstat(self._fd).st_ino == os.stat(self.path).st_ino == self._inode
         except OSError:
             return False
-        return head == b"SQLite format 3\x00" and same and self._wal_intact()
+        return head == SQLITE_HEADER and same and self._wal_intact()
 
     def _wal_intact(self) -> bool:
         """The WAL this store's connections write is still the file beside the database: a
