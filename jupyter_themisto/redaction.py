@@ -864,8 +864,9 @@ class KernelSecrets:
 
     def persist(self, store: Any, trajectory_id: str | None) -> int:
         """Record the newly learnt values (as keyed hashes) and scrub the trajectory's earlier
-        executions and snapshots of them; returns how many values were new."""
-        new, self._new = self._new, []
+        executions and snapshots of them; returns how many values were new. The values stay
+        to record until this succeeds (a locked store is tried again: the job is idempotent)."""
+        new = list(self._new)
         if not new:
             return 0
         key = load_key(store.path)
@@ -877,6 +878,7 @@ class KernelSecrets:
         store.add_secret_digests(rows)
         if trajectory_id is not None:
             self.rescrub(store, trajectory_id)
+        del self._new[: len(new)]  # (a value learnt meanwhile stays for the next call)
         return len(new)
 
     def rescrub(self, store: Any, trajectory_id: str) -> None:

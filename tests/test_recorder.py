@@ -23,6 +23,7 @@ from jupyter_themisto.kernel.outputs import (
     TRUNCATION_MARKER,
     resolve_blob_refs,
 )
+from jupyter_themisto.redaction import StoreRedactor
 from jupyter_themisto.store import StoreError, TrajectoryStore
 
 from .helpers import cli
@@ -470,6 +471,41 @@ def test_a_store_deleted_while_a_write_waited_for_its_lock_loses_nothing_silentl
         while kernel.children():
             assert time.monotonic() < deadline, f"a snapshot child still waits: {kernel.children()}"
             time.sleep(0.1)
+    finally:
+        k.shutdown()
+
+
+def test_a_secret_learnt_while_the_store_is_locked_reaches_the_store_once_it_is_free(tmp_path):
+    """A cell binds a secret while another process holds the store's write lock, longer than
+    the recorder waits: the value's keyed hash is written once the lock is freed, without a
+    later cell, so the server scrubs it from what it sends a model. (It was dropped with a
+    warning: a previewed `print(...)` of the value then reached the fallback model.)"""
+    secret = "locked-planted-0021"
+    path = tmp_path / "locked.sqlite"
+    k = RecordingKernel(path, ["--ThemistoRecorder.store_busy_seconds=0.3"])
+    try:
+        k.run("a = 1")
+        k.settle()
+        holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        k.run(f"api_key = {secret!r}")
+        k.settle()  # the writer gave up on the lock (0.3 s)
+        with TrajectoryStore(path, readonly=True) as store:
+            assert store.secret_digest_count() == 0
+        holder.execute("ROLLBACK")
+        holder.close()
+        deadline = time.monotonic() + 30  # (tried again every 5 s while idle)
+        while True:
+            with TrajectoryStore(path, readonly=True) as store:
+                if store.secret_digest_count() or time.monotonic() > deadline:
+                    redactor = StoreRedactor(store)
+                    redactor.refresh()
+                    scrubbed = redactor.scrub_text(f"print({secret!r})")
+                    break
+            time.sleep(0.2)
+        assert secret not in scrubbed and scrubbed.startswith("print(")
+        # The row waited too, and came back as a lost row in its place.
+        assert [r["status"] for r in k.executions()] == ["ok", "lost"]
     finally:
         k.shutdown()
 

@@ -567,10 +567,16 @@ class ThemistoRecorder(LoggingConfigurable):
         tid = self.trajectory_id
 
         def persist_secrets(store: Any) -> None:
-            # New values: their keyed hashes to the store, earlier rows scrubbed of them.
+            # New values: their keyed hashes to the store, earlier rows scrubbed of them. A
+            # locked store goes back to the writer, which tries again (the values stay to
+            # record until then: the server scrubs what it sends a model with these hashes).
             try:
                 secrets.persist(store, tid)
             except Exception as e:
+                from .writer import is_locked
+
+                if is_locked(e):
+                    raise
                 self._report("recording secret digests failed", e)
 
         order = self.next_order
@@ -581,7 +587,7 @@ class ThemistoRecorder(LoggingConfigurable):
         self.writer.add_execution(
             tid, order, prepare, fallback=record, direct=not _large(raw_outputs)
         )
-        self.writer.submit(persist_secrets)
+        self.writer.submit(persist_secrets, retried=True)
         self.snapshots.execution_done(order, current["source"], wall)
 
     # -- status ------------------------------------------------------------------------------

@@ -14,9 +14,11 @@ An execution that cannot be written — the disk is full, the file read-only or 
 database locked past `locked_retry_seconds` — is kept in memory (at most `max_lost`, without
 its outputs) and written as an execution with status `lost`, its `detail` saying why, at its
 own place in the order, as soon as the store takes writes again (tried before every later
-write and every `retry_seconds` while idle). A trajectory that could not be created as the
-kernel started (the store could not be opened, or was locked past `locked_retry_seconds`) is
-retried the same way, so it exists before the person's first cell runs.
+write and every `retry_seconds` while idle). A job submitted with `retried=True` (the keyed
+hashes of secrets the kernel learnt) is tried again the same way when the store stays locked.
+A trajectory that could not be created as the kernel started (the store could not be opened,
+or was locked past `locked_retry_seconds`) is retried the same way, so it exists before the
+person's first cell runs.
 
 A store whose file was deleted or replaced under it is reopened (a new file) with this
 kernel's trajectories created again, so that what runs after is recorded there (the
@@ -93,6 +95,8 @@ class RecordWriter:
         # Executions not written yet, in order: (trajectory_id, order_index, record, reason).
         self.lost: deque[tuple[str, int, dict[str, Any], str]] = deque(maxlen=max_lost)
         self.lost_dropped = 0
+        # Jobs submitted with retried=True that found the store locked: tried again, in order.
+        self._retried: deque[Callable[[Any], Any]] = deque(maxlen=1_000)
         # Trajectories to create before anything of theirs is written (their fields are read
         # on this thread: package versions and host facts take a moment).
         self._trajectories: dict[str, Callable[[], dict[str, Any]]] = {}
@@ -139,8 +143,10 @@ class RecordWriter:
             self._direct_threads.add(threading.get_ident())
         return self.store
 
-    def submit(self, job: Callable[[Any], Any], *, kind: str = "call") -> None:
-        """Run `job(store)` after everything submitted before it (here if nothing waits)."""
+    def submit(self, job: Callable[[Any], Any], *, retried: bool = False) -> None:
+        """Run `job(store)` after everything submitted before it (here if nothing waits).
+        `retried`: a job that finds the store locked past `locked_retry_seconds` is kept and
+        tried again while idle, like a lost execution (else it is reported and dropped)."""
         store = self._direct()
         if store is not None:
             try:
@@ -148,7 +154,7 @@ class RecordWriter:
                 return
             except Exception:
                 pass  # the thread tries again (jobs are idempotent)
-        self._enqueue((kind, job))
+        self._enqueue(("retried" if retried else "call", job))
 
     def create_trajectory(self, trajectory_id: str, fields: Callable[[], dict[str, Any]]) -> None:
         self._trajectories[trajectory_id] = fields
@@ -205,7 +211,7 @@ class RecordWriter:
     def _run(self) -> None:
         while True:
             try:
-                waiting = self.lost or self._trajectories
+                waiting = self.lost or self._trajectories or self._retried
                 item = self._queue.get(timeout=self.retry_seconds if waiting else None)
             except queue.Empty:
                 self._retry_lost()  # (creates the trajectories still to create first)
@@ -220,9 +226,7 @@ class RecordWriter:
                 elif kind == "execution":
                     self._execution(*payload)
                 else:
-                    store = self._unchanged_store()
-                    if store is not None:
-                        self._locked(partial(payload, store))
+                    self._call(payload, retried=kind == "retried")
             except BaseException as e:  # noqa: B036 - the thread must go on
                 self.failures += 1
                 self._report("a recorder write failed", e)
@@ -231,6 +235,20 @@ class RecordWriter:
                     self._unfinished -= 1
                     if self._unfinished == 0:
                         self._idle.set()
+
+    def _call(self, job: Callable[[Any], Any], *, retried: bool) -> None:
+        store = self._unchanged_store()
+        if store is None:
+            if retried:
+                self._retried.append(job)
+            return
+        try:
+            self._locked(partial(job, store))
+        except sqlite3.OperationalError as e:
+            if not (retried and is_locked(e)):
+                raise
+            self.last_error = f"a write waited past the lock: {_describe(e)}"
+            self._retried.append(job)
 
     def _store(self) -> Any:
         """The open store with every pending trajectory created, or None."""
@@ -286,7 +304,7 @@ class RecordWriter:
                 with self.fork_lock:
                     return call()
             except sqlite3.OperationalError as e:
-                if not _is_locked(e) or time.monotonic() > deadline:
+                if not is_locked(e) or time.monotonic() > deadline:
                     raise
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
@@ -387,6 +405,14 @@ class RecordWriter:
                     self._reopen()
                 return
             self.lost.popleft()
+        while store is not None and not self.lost and self._retried:
+            try:
+                self._locked(partial(self._retried[0], store))
+            except Exception as e:
+                if is_locked(e):
+                    return
+                self._report("a recorder write failed", e)
+            self._retried.popleft()
 
     def _reopen(self) -> None:
         """Close the store; the next write opens the file anew and creates this kernel's
@@ -409,7 +435,7 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error)[:300]}"
 
 
-def _is_locked(error: BaseException) -> bool:
+def is_locked(error: BaseException) -> bool:
     text = str(error).lower()
     return "locked" in text or "busy" in text
 
