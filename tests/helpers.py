@@ -160,11 +160,18 @@ def _cli_command(args: tuple[str, ...], store: Path | None) -> tuple[list[str], 
 
 
 def cli(
-    *args: str, store: Path | None = None, timeout: float = 300, **kw: Any
+    *args: str,
+    store: Path | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    **kw: Any,
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m jupyter_themisto.cli ARGS`, run to its end."""
-    cmd, env = _cli_command(args, store)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+    """`python -m jupyter_themisto.cli ARGS`, run to its end, with `env` added to its
+    environment."""
+    cmd, base = _cli_command(args, store)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**base, **(env or {})}, **kw
+    )
 
 
 def cli_process(

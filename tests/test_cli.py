@@ -25,6 +25,7 @@ from jupyter_themisto import metrics as M
 from jupyter_themisto.context import outputs_to_text
 from jupyter_themisto.dump import EXECUTION_FIELDS, TASK_FIELDS
 from jupyter_themisto.store import SCHEMA_VERSION, TrajectoryStore
+from jupyter_themisto.store.processes import process_identity
 from jupyter_themisto.store.schema import MIGRATIONS
 from tests.helpers import cli, cli_process
 from tests.peers import Fault, OpenAIPeer
@@ -562,13 +563,21 @@ def test_evaluate_openai_peer_with_concurrency(dump, tmp_path):
 
 
 def test_evaluate_resumes_after_sigkill(dump, tmp_path):
-    out = tmp_path / "e"
+    """A run killed outright resumes where it was; the next run removes the history folder
+    the killed one left in the temporary directory (and no folder another run still uses)."""
+    out, tmp = tmp_path / "e", tmp_path / "tmp"
+    tmp.mkdir()
     results = out / "next-cell__openai__with-runtime.jsonl"
     n = len(pd.read_json(dump / "next_cell.jsonl", lines=True))
     state = {"active": 0, "max": 0, "delay": 0.5}
+    # Another run's (this process stands for it: alive), and a folder of unknown origin.
+    running, unknown = tmp / "themisto-train-running", tmp / "themisto-train-unknown"
+    running.mkdir()
+    unknown.mkdir()
+    (running / "owner").write_text(process_identity("evaluate") or "")
     with _slow_peer(0.5, state) as peer:
-        args = _evaluate_openai(dump, out, peer)
-        proc = cli_process(*args)
+        args = _evaluate_openai(dump, out, peer, "--leave-one-out")
+        proc = cli_process(*args, env={"TMPDIR": str(tmp)})
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -582,10 +591,13 @@ def test_evaluate_resumes_after_sigkill(dump, tmp_path):
         done_before = results.read_text().count("\n")
         assert 3 <= done_before < n
         assert not (out / "summary.json").exists()  # reports are written only at the end
+        (left,) = set(tmp.iterdir()) - {running, unknown}
+        assert left.name.startswith("themisto-train-") and (left / "owner").exists()
         before = len(peer.requests)
         state["delay"] = 0.0
-        r = cli(*args)
+        r = cli(*args, env={"TMPDIR": str(tmp)})
         assert r.returncode == 0, r.stderr
+        assert set(tmp.iterdir()) == {running, unknown}
         assert f"{done_before} of {n} done" in r.stdout
         # Only the examples left were asked again (one may have been in flight at the kill).
         assert len(peer.requests) - before == n - done_before

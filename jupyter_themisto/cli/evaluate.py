@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -50,8 +52,10 @@ from ..backends import (
 from ..console import CliError, progress
 from ..dump import TASK_TABLES, DumpContexts, read_manifest, read_table, train_store
 from ..files import atomic_file, write_json
+from ..store.processes import GONE, process_identity, process_state
 
 TASKS = ("next-cell", "output")
+_HISTORY_PREFIX = "themisto-train-"
 SETTINGS = ("trajectory", "live")
 _METRIC_LABELS = {
     "exact_match": "EM",
@@ -229,6 +233,25 @@ def asked(run: dict[str, Any]) -> str:
     if ahead is not None:
         return f", warmed, written ahead {ahead:g} s"
     return ", warmed" if run.get("warm") else ""
+
+
+@contextlib.contextmanager
+def _history_dir() -> Iterator[Path]:
+    """A temporary folder for the history store (a copy of the dump's executions), removed at
+    the end, on Ctrl-C and SIGTERM too; the ones left by runs killed outright (SIGKILL, the
+    OOM killer) are removed first, when the process named in their `owner` file is gone."""
+    for old in Path(tempfile.gettempdir()).glob(f"{_HISTORY_PREFIX}*"):
+        try:
+            owner = (old / "owner").read_text()
+        except OSError:
+            continue  # not ours, or still being made
+        if process_state(owner) == GONE:
+            shutil.rmtree(old, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=_HISTORY_PREFIX) as tmp:
+        identity = process_identity("evaluate")
+        if identity is not None:
+            (Path(tmp) / "owner").write_text(identity)
+        yield Path(tmp)
 
 
 def _open_results(path: Path) -> dict[str, dict[str, Any]]:
@@ -556,13 +579,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.leave_one_out and args.train:
         raise CliError("--leave-one-out uses the evaluated dump as history: no --train with it")
     out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"
-    with tempfile.TemporaryDirectory(prefix="themisto-train-") as tmp:
+    with _history_dir() as tmp:
         store = None
         if args.train:
             exclude = {r["trajectory_id"] for r in executions}
-            store = train_store(Path(args.train).expanduser(), exclude, Path(tmp))
+            store = train_store(Path(args.train).expanduser(), exclude, tmp)
         elif args.leave_one_out:
-            store = train_store(dump, set(), Path(tmp))
+            store = train_store(dump, set(), tmp)
 
         def make_backend(held_out: str | None = None) -> Any:
             history = store if held_out is None else HeldOutStore(store, held_out)
