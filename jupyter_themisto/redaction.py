@@ -850,7 +850,9 @@ class KernelSecrets:
     # the store ------------------------------------------------------------------------------
 
     def load_digests(self, store: Any) -> None:
-        """Follow the values other kernels recorded (by keyed hash) too."""
+        """Follow the values other kernels recorded (by keyed hash) too. A store that cannot
+        be read now (a damaged key file, a broken store) leaves the values followed so far
+        followed; the next call tries again."""
         try:
             count = store.secret_digest_count()
             if count == self._digest_count:
@@ -860,7 +862,7 @@ class KernelSecrets:
                 self.matcher = DigestMatcher(key, store.secret_digests())
             self._digest_count = count
         except Exception:
-            self.matcher = None
+            pass
 
     def persist(self, store: Any, trajectory_id: str | None) -> int:
         """Record the newly learnt values (as keyed hashes) and scrub the trajectory's earlier

@@ -417,6 +417,15 @@ def test_values_persist_as_keyed_hashes_and_the_server_follows_them(tmp_path):
     assert ks2.scrub("y = 'second-planted-0007'") == f"y = '{REDACTED}'"
     assert ks2.stub_reason("second-planted-0007") == SECRET_VALUE_REASON
 
+    # A third kernel adds a value, then the key file is damaged: the second kernel can follow
+    # no new value, and still follows the values it followed (it forgot them all).
+    ks3 = KernelSecrets()
+    ks3.observe({"hf_token": "third-planted-0008"}, "")
+    ks3.persist(store, None)
+    key_path(path).write_bytes(b"short")
+    ks2.load_digests(store)
+    assert ks2.scrub("y = 'second-planted-0007'") == f"y = '{REDACTED}'"
+
 
 def store_row(path, eid):
     with TrajectoryStore(path, readonly=True) as s:
