@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import time
 
 import nbformat
@@ -534,4 +535,30 @@ async def test_the_preview_runs_the_cell_as_written_and_its_fallback_gets_no_sec
         sent = json.dumps([r.body for r in peer.requests])
         assert "socket.create_connection" in sent and SECRET not in sent
     finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize("fallback", ["openai"])
+async def test_a_secret_the_store_has_not_taken_yet_reaches_no_fallback(
+    jp_fetch, jp_serverapp, jp_root_dir, store_path, peer
+):
+    """Another process holds the store's write lock while a cell binds a secret, and while a
+    cell printing it is previewed and stopped: the value's hash is not in the store yet, and
+    the fallback model still never sees the value (the kernel scrubs the cell it stopped)."""
+    secret = "hunter2-planted-preview-0002"
+    kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
+    holder = sqlite3.connect(store_path, timeout=0, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        await run_cell(jp_serverapp, kernel_id, f"api_key = {secret!r}")
+        stopped = f"import socket\nsocket.create_connection(('10.1.2.3', 80))\nprint({secret!r})"
+        events = await predict(jp_fetch, kernel_id, stopped)
+        with TrajectoryStore(store_path, readonly=True) as store:
+            assert store.secret_digest_count() == 0  # (still held: the server cannot know it)
+        chunks = [d for n, d in events if n == "chunk"]
+        assert chunks and chunks[0]["metadata"]["preview"]["fallback"] == "openai", events
+        sent = json.dumps([r.body for r in peer.requests])
+        assert "socket.create_connection" in sent and secret not in sent
+    finally:
+        holder.close()
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import threading
 import time
@@ -340,6 +341,10 @@ class PreviewPredictor(Predictor):
             if fallback is None:
                 raise NoPrediction(f"{why} (no fallback backend configured)", code, details)
             meta["preview"]["fallback"] = fallback.name
+            scrubbed = reply.get("scrubbed_source")
+            if isinstance(scrubbed, str):
+                # (the kernel knows its secrets before their hashes reach the store)
+                ctx = dataclasses.replace(ctx, target_source=scrubbed)
             passed_on = self.env.scrub(ctx) if self.env.scrub is not None else ctx
             async for chunk in fallback.predict_output(passed_on):
                 chunk.metadata = {**meta, **chunk.metadata}

@@ -937,12 +937,27 @@ def run_preview(
             listener.close()
             raise
     try:
-        return _preview(
+        reply = _preview(
             shell, source, timeout, memory_mb, cpu_seconds, programs, kernel, t0, times, listener
         )
     finally:
         if listener is not None:
             listener.close()
+    if reply.get("status") != "ok" or reply.get("stopped"):
+        # What a fallback model may be sent instead: the cell without the secret values this
+        # kernel knows, even those whose hashes have not reached the store yet (it was locked).
+        reply["scrubbed_source"] = _scrubbed(shell, source)
+    return reply
+
+
+def _scrubbed(shell: Any, source: str) -> str | None:
+    """`source` scrubbed by the recorder's secrets (None without a recorder)."""
+    from . import get_recorder
+
+    recorder = get_recorder(shell)
+    if recorder is None:
+        return None
+    return recorder.secrets.scrub(source, literals=True)
 
 
 def cancel_preview(token: str) -> bool:
