@@ -77,8 +77,15 @@ async def live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, setup: st
     await wait_for(lambda: kernel_id in app.auto_recorder.outcomes)
     await run_cell(jp_serverapp, kernel_id, setup)
     store = TrajectoryStore(store_path)
+
+    def recorded() -> bool:
+        # The setup's row, not only its trajectory: on a loaded machine the first row follows
+        # the trajectory on the recorder's writer thread, after the cell's reply.
+        trajectory = store.latest_trajectory_for_kernel(kernel_id)
+        return bool(trajectory and trajectory.get("n_executions"))
+
     try:
-        await wait_for(lambda: store.latest_trajectory_for_kernel(kernel_id))
+        await wait_for(recorded)
     finally:
         store.close()
     kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
