@@ -775,6 +775,51 @@ def test_large_outputs_are_written_off_the_kernel_thread(tmp_path):
     assert [r["source"] for r in rows] == ["cell 0", "cell 1", "cell 2"] and not errors
 
 
+def test_a_job_kept_for_a_locked_store_runs_before_the_rows_after_it(tmp_path):
+    """A `retried` job (the recorder's secrets' hashes) that found the store locked is kept, and
+    runs again before the rows handed over after it: a server that sees a row knows the
+    secrets learnt before it."""
+    from jupyter_themisto.kernel.writer import RecordWriter
+
+    path = tmp_path / "t.sqlite"
+    errors: list[Any] = []
+    writer = RecordWriter(
+        lambda timeout: TrajectoryStore(path, timeout=timeout),
+        report=lambda what, e: errors.append((what, e)),
+        locked_retry_seconds=0.2,
+        retry_seconds=0.2,
+    )
+    ran: list[Any] = []
+
+    def job(store: Any) -> None:
+        row = store.execution_id("t1", 0)
+        store.add_secret_digests([("ab" * 16, 20, False)])
+        ran.append(row)  # (once it wrote: the row there then, or None)
+
+    holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        writer.create_trajectory("t1", lambda: {})
+        assert writer.wait_idle(30)
+        holder.execute("BEGIN IMMEDIATE")
+        writer.submit(job, retried=True)
+        row = {"source": "print(secret)", "status": "ok", "outputs": []}
+        writer.add_execution("t1", 0, lambda put_blob: row, fallback=row)
+        assert writer.wait_idle(30)
+        assert ran == [] and len(writer.lost) == 1  # both waited past the lock
+        holder.execute("ROLLBACK")
+        deadline = time.monotonic() + 30
+        while writer.lost or not ran:
+            assert time.monotonic() < deadline, "nothing written after the lock was freed"
+            time.sleep(0.05)
+    finally:
+        holder.close()
+        writer.close()
+    assert ran == [None]
+    with TrajectoryStore(path, readonly=True) as store:
+        assert [r["status"] for r in store.list_executions("t1")] == ["lost"]
+        assert store.secret_digest_count() == 1
+
+
 def test_wait_idle_returns_only_once_everything_handed_over_is_done(tmp_path):
     """`settle()` (and every test that reads the store after it) trusts wait_idle: it may not
     return while a job handed over is still queued, even one handed over just as the thread

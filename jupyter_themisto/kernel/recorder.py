@@ -584,9 +584,13 @@ class ThemistoRecorder(LoggingConfigurable):
         self.last_order = order
         # Values other kernels recorded (by keyed hash) are followed too.
         self.writer.submit(secrets.load_digests)
+        # The values learnt from the namespace and the source reach the store before the row
+        # does: a server that waits for the row (`after_execution_count`) knows them by then.
+        self.writer.submit(persist_secrets, retried=True)
         self.writer.add_execution(
             tid, order, prepare, fallback=record, direct=not _large(raw_outputs)
         )
+        # Those learnt from its outputs after it (with the re-scrub of the rows before it).
         self.writer.submit(persist_secrets, retried=True)
         self.snapshots.execution_done(order, current["source"], wall)
 

@@ -15,7 +15,8 @@ database locked past `locked_retry_seconds` — is kept in memory (at most `max_
 its outputs) and written as an execution with status `lost`, its `detail` saying why, at its
 own place in the order, as soon as the store takes writes again (tried before every later
 write and every `retry_seconds` while idle). A job submitted with `retried=True` (the keyed
-hashes of secrets the kernel learnt) is tried again the same way when the store stays locked.
+hashes of secrets the kernel learnt) is tried again the same way when the store stays locked,
+before those rows and any row after it (so whoever reads a row knows the secrets before it).
 A trajectory that could not be created as the kernel started (the store could not be opened,
 or was locked past `locked_retry_seconds`) is retried the same way, so it exists before the
 person's first cell runs.
@@ -131,6 +132,7 @@ class RecordWriter:
             or not self._idle.is_set()
             or not self._queue.empty()
             or self.lost
+            or self._retried
             or self._trajectories
             or not self.store.intact()  # the thread finds out why, and keeps what it cannot write
         ):
@@ -324,7 +326,7 @@ class RecordWriter:
             self._lose(trajectory_id, order_index, fallback, e)
             self.write_seconds.append(time.perf_counter() - started)
             return
-        if store is not None and self.lost:
+        if store is not None and (self.lost or self._retried):
             self._retry_lost()
         if store is None or self.lost:
             reason = self.last_error or "the store is not writable"
@@ -375,8 +377,18 @@ class RecordWriter:
         self.lost.append((trajectory_id, order_index, record, reason))
 
     def _retry_lost(self) -> None:
-        """Write the lost executions as `lost` rows, oldest first, while the store takes them."""
+        """Run the jobs kept to try again (secrets' hashes: before any row that may print
+        them), then write the lost executions as `lost` rows, oldest first, while the store
+        takes them."""
         store = self._store()
+        while store is not None and self._retried:
+            try:
+                self._locked(partial(self._retried[0], store))
+            except Exception as e:
+                if is_locked(e):
+                    return
+                self._report("a recorder write failed", e)
+            self._retried.popleft()
         while store is not None and self.lost:
             trajectory_id, order_index, record, reason = self.lost[0]
             row = dict(record)
@@ -405,14 +417,6 @@ class RecordWriter:
                     self._reopen()
                 return
             self.lost.popleft()
-        while store is not None and not self.lost and self._retried:
-            try:
-                self._locked(partial(self._retried[0], store))
-            except Exception as e:
-                if is_locked(e):
-                    return
-                self._report("a recorder write failed", e)
-            self._retried.popleft()
 
     def _reopen(self) -> None:
         """Close the store; the next write opens the file anew and creates this kernel's
