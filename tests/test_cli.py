@@ -606,6 +606,45 @@ def test_evaluate_resumes_after_sigkill(dump, tmp_path):
     assert json.loads((out / "summary.json").read_text())["runs"][results.stem]["n"] == n
 
 
+def test_evaluate_sweeps_only_its_own_dead_history_folders(dump, tmp_path):
+    """What the sweep of dead history folders removes, as an attacker sharing /tmp would try
+    to misuse it: a link named like a history folder, to a folder whose `owner` names a dead
+    process, is left, and so is what it points to; so is another user's folder (root could
+    remove it); a real folder of this user's dead run goes."""
+    tmp, victim = tmp_path / "tmp", tmp_path / "victim"
+    tmp.mkdir()
+    victim.mkdir()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    dead = process_identity("evaluate", sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    assert dead
+    (victim / "owner").write_text(dead)
+    (victim / "precious.txt").write_text("keep me")
+    link = tmp / "themisto-train-link"
+    link.symlink_to(victim, target_is_directory=True)
+    stale = tmp / "themisto-train-stale"
+    stale.mkdir()
+    (stale / "owner").write_text(dead)
+    (stale / "history.sqlite").write_bytes(b"executions")
+    # Another user's dead run (made so as root, which these tests run as in CI): not ours.
+    other = tmp / "themisto-train-other"
+    other.mkdir()
+    (other / "owner").write_text(dead)
+    mine = os.getuid() != 0
+    if not mine:
+        os.chown(other / "owner", 65534, 65534)
+        os.chown(other, 65534, 65534)
+    baseline = ["--backend", "repeat-previous", "--task", "next-cell", "--limit", "2"]
+    out = str(tmp_path / "e")
+    r = cli("evaluate", str(dump), *baseline, "--out", out, env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr
+    left = ["themisto-train-link"] + ([] if mine else ["themisto-train-other"])
+    assert sorted(p.name for p in tmp.iterdir()) == left
+    assert link.is_symlink() and (victim / "precious.txt").read_text() == "keep me"
+    assert (victim / "owner").read_text() == dead
+
+
 def test_evaluate_stopped_by_sigterm_cleans_up_like_ctrl_c(dump, tmp_path):
     """`kill`, `timeout` and job schedulers stop with SIGTERM: the run ends as on Ctrl-C, with
     its history copy (a temporary store) removed and only complete result lines kept."""

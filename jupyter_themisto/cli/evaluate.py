@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -239,12 +241,15 @@ def asked(run: dict[str, Any]) -> str:
 def _history_dir() -> Iterator[Path]:
     """A temporary folder for the history store (a copy of the dump's executions), removed at
     the end, on Ctrl-C and SIGTERM too; the ones left by runs killed outright (SIGKILL, the
-    OOM killer) are removed first, when the process named in their `owner` file is gone."""
+    OOM killer) are removed first, when the process named in their `owner` file is gone
+    (only real folders of this user: never what a link points to)."""
     for old in Path(tempfile.gettempdir()).glob(f"{_HISTORY_PREFIX}*"):
         try:
+            if not stat.S_ISDIR(old.lstat().st_mode) or old.lstat().st_uid != os.getuid():
+                continue
             owner = (old / "owner").read_text()
         except OSError:
-            continue  # not ours, or still being made
+            continue  # not readable, or still being made
         if process_state(owner) == GONE:
             shutil.rmtree(old, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=_HISTORY_PREFIX) as tmp:
