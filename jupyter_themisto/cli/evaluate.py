@@ -245,7 +245,8 @@ def _history_dir() -> Iterator[Path]:
     (only real folders of this user: never what a link points to)."""
     for old in Path(tempfile.gettempdir()).glob(f"{_HISTORY_PREFIX}*"):
         try:
-            if not stat.S_ISDIR(old.lstat().st_mode) or old.lstat().st_uid != os.getuid():
+            found = old.lstat()
+            if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
                 continue
             owner = (old / "owner").read_text()
         except OSError:
