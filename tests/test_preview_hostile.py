@@ -198,6 +198,30 @@ def _file_state(path: Path) -> tuple[Any, ...]:
     return state
 
 
+#: the kernel's flag of a task that is exiting (include/linux/sched.h)
+PF_EXITING = 0x4
+
+
+def _exiting(pid: int) -> bool:
+    """Whether process `pid` is gone, a zombie or on its way out (exiting, or SIGKILL pending):
+    a preview's process killed as the reply came in runs no more user code, but its exit (the
+    teardown of its copy of the kernel's memory) can take a while on a loaded machine, and the
+    kernel reaps it in the background."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    state, *rest = stat.rpartition(")")[2].split()
+    pending = [
+        int(line.split()[1], 16)
+        for line in status.splitlines()
+        if line.startswith(("SigPnd", "ShdPnd"))
+    ]
+    killed = any(p & (1 << (signal.SIGKILL - 1)) for p in pending)
+    return state in ("Z", "X", "x") or bool(int(rest[5]) & PF_EXITING) or killed
+
+
 def _run(*cmd: str) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
 
@@ -281,7 +305,7 @@ def observe(w: World) -> dict[str, Any]:
         for p in psutil.process_iter(["cmdline"])
         if MARK in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid()
     ]
-    children = [c.pid for c in proc.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    children = [c.pid for c in proc.children(recursive=True) if not _exiting(c.pid)]
     return {
         "kernel": (
             proc.is_running(),
