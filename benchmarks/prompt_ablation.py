@@ -23,11 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model_quality import load, paired_bootstrap  # (benchmarks/, beside this script)
+from model_quality import load  # (benchmarks/, beside this script)
 
 from jupyter_themisto import metrics as M
 from jupyter_themisto.backends import NoPrediction, create_backend
 from jupyter_themisto.dump import DumpContexts, read_manifest, read_table
+from jupyter_themisto.metrics import paired_difference
 
 #: name -> (settings, with_runtime); the first is the reference the others change one thing of
 _PLAIN = {
@@ -228,8 +229,11 @@ def main() -> None:
         chrf = [100 * r["scores"]["chrf"] for r in all_rows[name]]
         delta = "—"
         if name != ref_name:
-            mean, low, high = paired_bootstrap(ref, chrf)
-            delta = f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]"
+            d = paired_difference(ref, chrf)
+            delta = (
+                f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]"
+                f" ({d['better']} better, {d['worse']} worse)"
+            )
         print(f"| {name} | " + " | ".join(f"{s[k]:.1f}" for k in keys) + f" | {delta} |")
 
 
