@@ -358,8 +358,8 @@ async def test_what_came_next_in_another_notebook_reaches_the_model(model_file, 
         with_runtime=False,
     )
     prompt = await backend._prompt_with_examples(ctx, model)
-    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>report.py\n# %%\n")
-    assert "<|file_sep|>sales.py\n# %%\nimport pandas as pd\n" in prompt.text
+    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>old/report.py\n# %%\n")
+    assert "<|file_sep|>new/sales.py\n# %%\nimport pandas as pd\n" in prompt.text
     texts = await next_cells(backend, ctx)
     assert "zq_region" in texts[0], texts
     off = LlamaCppPredictor({**settings, "prompt_examples": 0}, BackendEnv(store=store))
@@ -502,7 +502,7 @@ async def test_a_prompt_with_examples_warmed_before_the_cell_ran_serves_it_after
     )
     model = backend.shared()
     prompt = await backend._prompt_with_examples(after, model)
-    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>fit.py\n")
+    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>old/fit.py\n")
     body = backend.request(Completion.of(prompt, 4), stream=False)
     with model.lock:
         usage = model.model.handle_completions(body)["usage"]

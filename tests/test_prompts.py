@@ -242,10 +242,10 @@ def test_examples_from_other_notebooks_come_first_as_files_of_the_repository():
     p = next_cell_prompt(ctx, two, examples=examples, repo=QWEN_REPO)
     assert p.text == (
         "<|repo_name|>notebooks\n"
-        "<|file_sep|>eda.py\n# %%\nimport pandas as pd\n\n# %%\ndf = pd.read_csv('x.csv')\n\n"
+        "<|file_sep|>old/eda.py\n# %%\nimport pandas as pd\n\n# %%\ndf = pd.read_csv('x.csv')\n\n"
         "# %%\ndf.head()\n\n"
         "<|file_sep|>t-1234.py\n# %%\n" + "\n".join(f"step{i}()" for i in range(12)) + "\n...\n\n"
-        "<|file_sep|>sales.py\n" + plain.text
+        "<|file_sep|>work/sales.py\n" + plain.text
     )
     assert p.special and p.prefix == p.text and p.suffix is None
     assert p.stops == plain.stops + ["<|file_sep|>", "<|repo_name|>"]
@@ -284,6 +284,52 @@ def test_examples_are_kept_whole_and_the_script_is_cut_to_the_engines_limit():
     assert len(p.text) <= 400 and approx_tokens(p.text) <= 150
     assert script.startswith(("# %%\nx", "x")) and script.endswith("x199 = 199\n\n# %%\n")
     assert p.text.count("<|") == 4  # the repository's name and three file separators, no more
+
+
+def test_cells_as_nbconvert_writes_them():
+    """`# In[n]:` and blank lines, markdown as comments, the open cell numbered next."""
+    ctx = session()
+    ctx.cells[-1].output_text, ctx.cells[-1].status = "Traceback\nNameError: x", "error"
+    p = next_cell_prompt(ctx, PromptOptions(cell_style="nbconvert"))
+    assert p.text == (
+        "#!/usr/bin/env python\n# coding: utf-8\n\n"
+        "# Load the data\n\n"
+        "# In[1]:\n\n\nimport pandas as pd\n\n\n"
+        "# In[2]:\n\n\nfor i in range(2):\n    print(i)\n"
+        "# Out: Traceback\n#      NameError: x\n\n\n"
+        "# In[3]:\n\n\n"
+    )
+    assert p.stops[:2] == ["# In[", "\n# Out:"] and not p.special
+    # Cells without a number (never run: below the insertion point) are `# In[ ]:`, and a
+    # context without numbers leaves the open cell's blank too.
+    ctx.cells = [ContextCell(source="x = 1"), ContextCell(source="Plot it", cell_type="markdown")]
+    ctx.cells_below = [ContextCell(source="x.plot()", status="not run")]
+    fim = next_cell_prompt(ctx, PromptOptions(cell_style="nbconvert", below=True), QWEN_FIM)
+    assert fim.prefix.endswith("# In[ ]:\n\n\nx = 1\n\n\n# Plot it\n\n# In[ ]:\n\n\n")
+    assert fim.suffix == "\n# In[ ]:\n\n\nx.plot()\n\n"
+
+
+@pytest.mark.parametrize(
+    "path, name",
+    [
+        ("work/eda/sales.ipynb", "eda/sales.py"),
+        ("sales report.ipynb", "sales_report.py"),
+        ("/", "notebook.py"),
+        (".", "notebook.py"),
+        ("<|file_sep|>/a.ipynb", "a.py"),
+        (None, "notebook.py"),
+    ],
+)
+def test_the_notebooks_folder_and_name_as_a_file_of_a_repository(path, name):
+    ctx = session(notebook_path=path)
+    plain = next_cell_prompt(ctx)
+    p = next_cell_prompt(ctx, PromptOptions(file_name=True), repo=QWEN_REPO)
+    assert p.text == f"<|repo_name|>notebooks\n<|file_sep|>{name}\n" + plain.text
+    assert p.special and p.stops == plain.stops + ["<|file_sep|>", "<|repo_name|>"]
+    # Only for a model with these tokens, and the raw template.
+    assert next_cell_prompt(ctx, PromptOptions(file_name=True)) == plain
+    chat = next_cell_prompt(ctx, PromptOptions(file_name=True, template="chatml"), repo=QWEN_REPO)
+    assert "<|file_sep|>" not in chat.text
 
 
 def test_chatml_template_opens_a_code_fence():
@@ -482,6 +528,8 @@ def test_options_from_backend_settings():
         ({"prompt_window_step": 0}, "prompt_window_step"),
         ({"prompt_below_cells": -1}, "prompt_below_cells"),
         ({"prompt_object_reprs": "sometimes"}, "prompt_object_reprs must be true or false"),
+        ({"prompt_cell_style": "light"}, "prompt_cell_style must be percent or nbconvert"),
+        ({"prompt_file_name": "yes"}, "prompt_file_name must be true or false"),
     ]:
         with pytest.raises(ValueError, match=match):
             PromptOptions.from_settings(bad)

@@ -154,6 +154,10 @@ class PromptOptions:
       repository-level tokens, with the raw template and without the cells below). Off by
       default: they change the prompt's beginning at every cell, so nothing of it is cached.
     example_lines: lines kept of each cell of an example.
+    cell_style: how a cell begins: "percent" (`# %%`, Jupytext's percent format) or
+      "nbconvert" (`# In[7]:` and blank lines, as `jupyter nbconvert --to script` writes).
+    file_name: the notebook's name (its folder and file, as a `.py` file) before the script,
+      as a repository's file (models with repository-level tokens, the raw template).
     """
 
     cells: int = 10
@@ -168,6 +172,8 @@ class PromptOptions:
     template: str = "raw"
     examples: int = 0
     example_lines: int = 12
+    cell_style: str = "percent"
+    file_name: bool = False
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> PromptOptions:
@@ -198,6 +204,10 @@ class PromptOptions:
             raise ValueError(f"prompt_runtime must be none, header or end, not {self.runtime!r}")
         if self.template not in ("raw", "chatml"):
             raise ValueError(f"prompt_template must be raw or chatml, not {self.template!r}")
+        if self.cell_style not in ("percent", "nbconvert"):
+            raise ValueError(
+                f"prompt_cell_style must be percent or nbconvert, not {self.cell_style!r}"
+            )
         counts = (self.cells, self.below_cells, self.max_output_lines, self.examples)
         if min(counts) < 0 or min(self.window_step, self.example_lines) < 1:
             raise ValueError(
@@ -269,6 +279,16 @@ class PromptSettings(BackendSettings):
     prompt_example_lines: int = Field(
         _PROMPT.example_lines, ge=1, description="lines kept of each cell of an example"
     )
+    prompt_cell_style: Literal["percent", "nbconvert"] = Field(
+        _PROMPT.cell_style,  # type: ignore[arg-type]
+        description="how each cell begins: `percent` (`# %%`) or `nbconvert` (`# In[7]:` and"
+        " blank lines, as `jupyter nbconvert --to script` writes a notebook)",
+    )
+    prompt_file_name: bool = Field(
+        _PROMPT.file_name,
+        description="the notebook's folder and name before the script, as a file of a"
+        " repository (models with repository-level tokens, like Qwen2.5-Coder's)",
+    )
 
     def prompt_options(self) -> PromptOptions:
         """The PromptOptions these settings give."""
@@ -327,8 +347,25 @@ def _window(cells: list[ContextCell], options: PromptOptions) -> list[ContextCel
     return cells[begin:]
 
 
-def _markdown_lines(cell: ContextCell) -> list[str]:
-    return [f"{CELL_MARKER} [markdown]"] + ["# " + line for line in cell.source.splitlines()]
+def _markdown_lines(cell: ContextCell, style: str = "percent") -> list[str]:
+    head = [f"{CELL_MARKER} [markdown]"] if style == "percent" else []
+    return head + ["# " + line for line in cell.source.splitlines()]
+
+
+#: what `jupyter nbconvert --to script` writes first
+NBCONVERT_HEAD = "#!/usr/bin/env python\n# coding: utf-8\n\n"
+
+
+def _in_marker(count: int | None) -> str:
+    """The line nbconvert writes before a code cell: `# In[7]:` (`# In[ ]:` never run)."""
+    return f"# In[{count if count is not None else ' '}]:"
+
+
+def _code_block(lines: list[str], style: str, count: int | None) -> str:
+    """A code cell's lines (its source, and an output shown) in the prompt's cell style."""
+    if style == "percent":
+        return "\n".join([CELL_MARKER, *lines, ""]) + "\n"
+    return "\n".join([_in_marker(count), "", "", *lines, "", "", ""])
 
 
 #: what a code model's tokenizer makes a token of, about: each digit (Qwen's and Llama 3's
@@ -419,12 +456,15 @@ def next_cell_prompt(
     variables = [variable_line(v) for v in ctx.variables] if ctx.with_runtime else []
     if variables and options.runtime == "header":
         head += ['"""Live variables of the kernel:', *variables, '"""', ""]
+    style = options.cell_style
+    if style == "nbconvert":
+        head.insert(0, NBCONVERT_HEAD.rstrip("\n") + "\n")
     blocks: list[str] = []
     for i, c in enumerate(cells):
         if c.cell_type == "markdown":
-            blocks.append("\n".join(_markdown_lines(c) + [""]) + "\n")
+            blocks.append("\n".join(_markdown_lines(c, style) + [""]) + "\n")
             continue
-        lines = [CELL_MARKER, c.source.rstrip()]
+        lines = [c.source.rstrip()]
         # Outputs and errors are runtime information too: shown only with it.
         if (
             ctx.with_runtime
@@ -437,11 +477,15 @@ def next_cell_prompt(
             and (options.object_reprs or not object_reprs_only(c.output_text))
         ):
             lines += _output_lines(c, options.max_output_lines)
-        blocks.append("\n".join(lines + [""]) + "\n")
+        blocks.append(_code_block(lines, style, c.execution_count))
     tail: list[str] = []
     if variables and options.runtime == "end":
         tail += ["# Live variables:", *("#   " + v for v in variables), ""]
-    tail += [CELL_MARKER, ""]
+    if style == "percent":
+        tail += [CELL_MARKER, ""]
+    else:
+        counts = [c.execution_count for c in cells if c.execution_count is not None]
+        tail += [_in_marker(counts[-1] + 1 if counts else None), "", "", ""]
     head_text, tail_text = "".join(line + "\n" for line in head), "\n".join(tail)
     below_wanted = fim is not None and options.below and bool(ctx.cells_below)
     budget = max_chars - max_chars // 4 if max_chars is not None and below_wanted else max_chars
@@ -454,9 +498,10 @@ def next_cell_prompt(
     start = stable_start(blocks, len(head_text) + len(tail_text), budget, may_begin)
     # Engines read special tokens spelled in the prompt as such: none may come from the notebook.
     prefix = _SPECIAL.sub("", head_text + "".join(blocks[start:]) + tail_text)
-    stops = [CELL_MARKER, "\n# Out:"]
+    stops = [CELL_MARKER if style == "percent" else "# In[", "\n# Out:"]
     shown = (examples or [])[: options.examples]
-    if shown and repo is not None and options.template == "raw" and not below_wanted:
+    files_wanted = bool(shown) or options.file_name
+    if files_wanted and repo is not None and options.template == "raw" and not below_wanted:
         files = _repository(ctx, shown, repo, options.example_lines)
         if limit is not None:
             chars, tokens = limit
@@ -472,13 +517,13 @@ def next_cell_prompt(
     below = below[: options.below_cells]
     if fim is None or not options.below or not below:
         return Prompt(text=prefix, stops=stops, prefix=prefix)
-    after: list[str] = []
-    for c in below:
-        if c.cell_type == "markdown":
-            after += _markdown_lines(c) + [""]
-        else:
-            after += [CELL_MARKER, c.source.rstrip(), ""]
-    suffix = _SPECIAL.sub("", "\n" + "\n".join(after))
+    after = "".join(
+        "\n".join(_markdown_lines(c, style) + [""]) + "\n"
+        if c.cell_type == "markdown"
+        else _code_block([c.source.rstrip()], style, c.execution_count)
+        for c in below
+    )
+    suffix = _SPECIAL.sub("", "\n" + after.removesuffix("\n"))
     if max_chars is not None:
         suffix = suffix[: max_chars // 4]
     text = fim.prefix + prefix + fim.suffix + suffix + fim.middle
@@ -499,8 +544,11 @@ def _repository(
     (the script follows it)."""
 
     def file_name(path: str) -> str:
-        stem = PurePosixPath(path.replace("\\", "/")).stem
-        return (re.sub(r"\s+", "_", _SPECIAL.sub("", stem)).strip("_") or "notebook") + ".py"
+        # The folder and the name: `02-DataFrames/Snippets.py` (what the notebook is about).
+        parts = list(PurePosixPath(path.replace("\\", "/")).parts[-2:])
+        parts[-1:] = [PurePosixPath(p).stem for p in parts[-1:]]
+        names = [re.sub(r"\s+", "_", _SPECIAL.sub("", p)).strip("_/.") for p in parts]
+        return "/".join(n for n in names if n) + ".py" if any(names) else "notebook.py"
 
     files = [f"{repo.repo_name}notebooks\n"]
     for example in examples:
