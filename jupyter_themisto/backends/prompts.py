@@ -352,8 +352,8 @@ def _markdown_lines(cell: ContextCell, style: str = "percent") -> list[str]:
     return head + ["# " + line for line in cell.source.splitlines()]
 
 
-#: what `jupyter nbconvert --to script` writes first
-NBCONVERT_HEAD = "#!/usr/bin/env python\n# coding: utf-8\n\n"
+#: the lines `jupyter nbconvert --to script` writes first
+NBCONVERT_HEAD = ["#!/usr/bin/env python", "# coding: utf-8", ""]
 
 
 def _in_marker(count: int | None) -> str:
@@ -458,7 +458,7 @@ def next_cell_prompt(
         head += ['"""Live variables of the kernel:', *variables, '"""', ""]
     style = options.cell_style
     if style == "nbconvert":
-        head.insert(0, NBCONVERT_HEAD.rstrip("\n") + "\n")
+        head[:0] = NBCONVERT_HEAD
     blocks: list[str] = []
     for i, c in enumerate(cells):
         if c.cell_type == "markdown":
