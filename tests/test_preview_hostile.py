@@ -203,23 +203,31 @@ PF_EXITING = 0x4
 
 
 def _exiting(pid: int) -> bool:
-    """Whether process `pid` is gone, a zombie or on its way out (exiting, or SIGKILL pending):
-    a preview's process killed as the reply came in runs no more user code, but its exit (the
-    teardown of its copy of the kernel's memory) can take a while on a loaded machine, and the
-    kernel reaps it in the background."""
+    """Whether process `pid` is gone, a zombie or on its way out: every thread of it exiting,
+    a zombie, or with SIGKILL pending. A preview's process killed as the reply came in runs
+    no more user code, but its exit (the teardown of its copy of the kernel's memory) can take
+    a while on a loaded machine, and the kernel reaps it in the background. Each thread is
+    read: a main thread that ended while the others run looks like a zombie from outside."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        status = Path(f"/proc/{pid}/status").read_text()
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return True
-    state, *rest = stat.rpartition(")")[2].split()
-    pending = [
-        int(line.split()[1], 16)
-        for line in status.splitlines()
-        if line.startswith(("SigPnd", "ShdPnd"))
-    ]
-    killed = any(p & (1 << (signal.SIGKILL - 1)) for p in pending)
-    return state in ("Z", "X", "x") or bool(int(rest[5]) & PF_EXITING) or killed
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue  # (that thread is gone)
+        state, *rest = stat.rpartition(")")[2].split()
+        pending = [
+            int(line.split()[1], 16)
+            for line in status.splitlines()
+            if line.startswith(("SigPnd", "ShdPnd"))
+        ]
+        killed = any(p & (1 << (signal.SIGKILL - 1)) for p in pending)
+        if not (state in ("Z", "X", "x") or int(rest[5]) & PF_EXITING or killed):
+            return False
+    return True
 
 
 def _run(*cmd: str) -> str:
