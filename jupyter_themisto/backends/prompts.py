@@ -361,6 +361,11 @@ def _in_marker(count: int | None) -> str:
     return f"# In[{count if count is not None else ' '}]:"
 
 
+def _markdown_block(cell: ContextCell, style: str) -> str:
+    """A markdown cell as comments, in the prompt's cell style."""
+    return "\n".join(_markdown_lines(cell, style) + [""]) + "\n"
+
+
 def _code_block(lines: list[str], style: str, count: int | None) -> str:
     """A code cell's lines (its source, and an output shown) in the prompt's cell style."""
     if style == "percent":
@@ -462,7 +467,7 @@ def next_cell_prompt(
     blocks: list[str] = []
     for i, c in enumerate(cells):
         if c.cell_type == "markdown":
-            blocks.append("\n".join(_markdown_lines(c, style) + [""]) + "\n")
+            blocks.append(_markdown_block(c, style))
             continue
         lines = [c.source.rstrip()]
         # Outputs and errors are runtime information too: shown only with it.
@@ -518,7 +523,7 @@ def next_cell_prompt(
     if fim is None or not options.below or not below:
         return Prompt(text=prefix, stops=stops, prefix=prefix)
     after = "".join(
-        "\n".join(_markdown_lines(c, style) + [""]) + "\n"
+        _markdown_block(c, style)
         if c.cell_type == "markdown"
         else _code_block([c.source.rstrip()], style, c.execution_count)
         for c in below
