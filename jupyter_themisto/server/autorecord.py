@@ -24,6 +24,7 @@ are not recorded).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -44,6 +45,9 @@ SESSION_ENV = "JPY_SESSION_NAME"
 
 LOADED_AT_START = "loaded at start"
 OPTED_OUT = "opted out"
+# A notebook read while a save writes it is half written: read it again, up to about a second.
+OPT_OUT_READS = 10
+OPT_OUT_READ_PAUSE = 0.1
 
 
 def runs_ipykernel(argv: list[str]) -> bool:
@@ -205,16 +209,31 @@ class AutoRecorder:
         return None
 
     async def opted_out(self, path: str | None) -> bool:
-        """True when the notebook's metadata says `"themisto": {"record": false}`."""
+        """True when the notebook's metadata says `"themisto": {"record": false}`.
+
+        The notebook is read as a text file, not as a notebook: jupyter_server's notebook read
+        (2.21), landing while a save writes the file, finds it unreadable, moves it aside and
+        puts the save's backup in its place; when the save ends between those two moves, the
+        notebook is gone (and a kernel can start or restart while an autosave writes). A read
+        that finds the file half written reads again."""
         if not path or not path.endswith(".ipynb"):
             return False
-        try:
-            model = await ensure_async(
-                self.serverapp.contents_manager.get(path, content=True, type="notebook")
-            )
-        except Exception:
-            return False
-        meta = (model.get("content") or {}).get("metadata") or {}
+        notebook: Any = None
+        for attempt in range(OPT_OUT_READS):
+            try:
+                model = await ensure_async(
+                    self.serverapp.contents_manager.get(
+                        path, content=True, type="file", format="text"
+                    )
+                )
+                notebook = await asyncio.to_thread(json.loads, model.get("content") or "")
+                break
+            except ValueError:
+                if attempt + 1 < OPT_OUT_READS:
+                    await asyncio.sleep(OPT_OUT_READ_PAUSE)
+            except Exception:
+                return False
+        meta = notebook.get("metadata") if isinstance(notebook, dict) else None
         setting = meta.get("themisto") if isinstance(meta, dict) else None
         return isinstance(setting, dict) and setting.get("record") is False
 
