@@ -37,6 +37,7 @@ from jupyter_themisto.backends.model_files import QWEN_CODER_05B, QWEN_CODER_15B
 from jupyter_themisto.backends.openai import OpenAIPredictor
 from jupyter_themisto.backends.prompts import (
     FENCES,
+    NBCONVERT_HEAD,
     NOT_FIRST,
     QWEN_FIM,
     QWEN_REPO,
@@ -138,12 +139,12 @@ async def test_next_cell_streams_and_stops_at_the_cell_boundary(model_file):
     chunks = [c async for c in backend.predict_next_cell(session())]
     text = "".join(c.text for c in chunks)
     assert chunks[-1].done and text.strip()
-    assert "# %%" not in text and "```" not in text
-    # The prompt is a percent-format script that ends with an open "# %%" cell; the answer is
-    # what the model writes there, up to the next cell marker or output comment: the same
-    # greedy answer straight from the engine, cut at the first stop string.
+    assert "# In[" not in text and "```" not in text
+    # The prompt is a script as nbconvert writes a notebook, ending with an open `# In[ ]:`
+    # cell; the answer is what the model writes there, up to the next cell marker or output
+    # comment: the same greedy answer straight from the engine, cut at the first stop string.
     p = next_cell_prompt(session(), backend.prompt_options)
-    assert p.text.endswith("\n# %%\n") and "# %%" in p.stops and p.suffix is None
+    assert p.text.endswith("\n# In[ ]:\n\n\n") and "# In[" in p.stops and p.suffix is None
     raw = "".join(generate(backend, Completion(p.text, [], 64)))
     cut = min((raw.find(s) for s in p.stops if s in raw), default=len(raw))
     assert text.strip() == raw[:cut].strip()
@@ -358,8 +359,9 @@ async def test_what_came_next_in_another_notebook_reaches_the_model(model_file, 
         with_runtime=False,
     )
     prompt = await backend._prompt_with_examples(ctx, model)
-    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>old/report.py\n# %%\n")
-    assert "<|file_sep|>new/sales.py\n# %%\nimport pandas as pd\n" in prompt.text
+    head = "#!/usr/bin/env python\n# coding: utf-8\n\n# In[ ]:\n\n\n"
+    assert prompt.text.startswith("<|repo_name|>notebooks\n<|file_sep|>old/report.py\n" + head)
+    assert "<|file_sep|>new/sales.py\n" + head + "import pandas as pd\n" in prompt.text
     texts = await next_cells(backend, ctx)
     assert "zq_region" in texts[0], texts
     off = LlamaCppPredictor({**settings, "prompt_examples": 0}, BackendEnv(store=store))
@@ -367,7 +369,7 @@ async def test_what_came_next_in_another_notebook_reaches_the_model(model_file, 
     assert "zq_region" not in (await next_cells(off, ctx))[0]
     tiny = llama(model="smollm2-135m", prompt_examples=2)
     assert tiny.repo_tokens(tiny.shared()) is None  # it spells them with several tokens
-    assert (await tiny._prompt_with_examples(ctx, tiny.shared())).text.startswith("# %%")
+    assert (await tiny._prompt_with_examples(ctx, tiny.shared())).text.startswith("#!/usr/")
     store.close()
 
 
@@ -378,12 +380,12 @@ async def test_cells_below_become_a_fim_suffix_that_a_long_prompt_keeps(model_fi
     ctx.cells[0] = ContextCell(source="import pandas as pd  # " + "x" * 600, execution_count=1)
     prompt = next_cell_prompt(ctx, backend.prompt_options, backend.fim_tokens(backend.shared()))
     job = Completion.of(prompt, 16)
-    assert job.suffix == "\n# %%\nprint(total)\n" and job.fim == QWEN_FIM
+    assert job.suffix == "\n# In[ ]:\n\n\nprint(total)\n\n" and job.fim == QWEN_FIM
     body = backend.request(job)["prompt"]
     # Cut to its newest part, the prompt still opens with the FIM prefix token and keeps the
     # suffix and the middle token.
     assert len(body) < len(prompt.text)
-    assert body.startswith("<|fim_prefix|>") and body.endswith("print(total)\n<|fim_middle|>")
+    assert body.startswith("<|fim_prefix|>") and body.endswith("print(total)\n\n<|fim_middle|>")
     assert body.count("<|fim_prefix|>") == 1 and "x" * 600 not in body
     plain = llama(max_prompt_tokens=64)  # the cells below are off by default
     assert next_cell_prompt(ctx, plain.prompt_options, None).suffix is None
@@ -672,7 +674,9 @@ async def test_a_cold_prompt_is_answered_short_and_evaluated_whole_after(model_f
     whole = backend.next_cell_prompt(ctx, model)
     short = backend.cold_prompt(ctx, model, whole)
     assert short is not None and len(short.text) <= 180 < len(whole.text)
-    assert whole.text.endswith(short.text)  # the newest cells, as the whole prompt has them
+    # The script's first lines, then the newest cells as the whole prompt has them.
+    head = "\n".join(NBCONVERT_HEAD) + "\n"
+    assert short.text.startswith(head) and whole.text.endswith(short.text.removeprefix(head))
     caplog.set_level("INFO", logger="jupyter_themisto")
     await next_cells(backend, ctx)
     assert "cold prompt" in caplog.text
@@ -707,7 +711,7 @@ async def test_the_larger_code_model_is_a_setting_away(model_file):
     assert (await large.health())["ok"] is True
     texts = await next_cells(large, session())
     # code (a comment-only answer is dropped), cut at the cell boundary
-    assert texts[0].strip() and "# %%" not in texts[0]
+    assert texts[0].strip() and "# In[" not in texts[0]
     assert large.fim_tokens(large.shared()) == QWEN_FIM
     assert large.model_key() != llama().model_key()
 

@@ -154,8 +154,10 @@ class PromptOptions:
       repository-level tokens, with the raw template and without the cells below). Off by
       default: they change the prompt's beginning at every cell, so nothing of it is cached.
     example_lines: lines kept of each cell of an example.
-    cell_style: how a cell begins: "percent" (`# %%`, Jupytext's percent format) or
-      "nbconvert" (`# In[7]:` and blank lines, as `jupyter nbconvert --to script` writes).
+    cell_style: how a cell begins: "nbconvert" (`# In[ ]:` and blank lines, as `jupyter
+      nbconvert --to script` writes a notebook, but without the cells' numbers: a cell being
+      typed has none yet, and its prompt must read as it will once the cell ran) or "percent"
+      (`# %%`, Jupytext's percent format).
     file_name: the notebook's name (its folder and file, as a `.py` file) before the script,
       as a repository's file (models with repository-level tokens, the raw template).
     """
@@ -172,7 +174,7 @@ class PromptOptions:
     template: str = "raw"
     examples: int = 0
     example_lines: int = 12
-    cell_style: str = "percent"
+    cell_style: str = "nbconvert"
     file_name: bool = False
 
     @classmethod
@@ -204,9 +206,9 @@ class PromptOptions:
             raise ValueError(f"prompt_runtime must be none, header or end, not {self.runtime!r}")
         if self.template not in ("raw", "chatml"):
             raise ValueError(f"prompt_template must be raw or chatml, not {self.template!r}")
-        if self.cell_style not in ("percent", "nbconvert"):
+        if self.cell_style not in ("nbconvert", "percent"):
             raise ValueError(
-                f"prompt_cell_style must be percent or nbconvert, not {self.cell_style!r}"
+                f"prompt_cell_style must be nbconvert or percent, not {self.cell_style!r}"
             )
         counts = (self.cells, self.below_cells, self.max_output_lines, self.examples)
         if min(counts) < 0 or min(self.window_step, self.example_lines) < 1:
@@ -279,10 +281,10 @@ class PromptSettings(BackendSettings):
     prompt_example_lines: int = Field(
         _PROMPT.example_lines, ge=1, description="lines kept of each cell of an example"
     )
-    prompt_cell_style: Literal["percent", "nbconvert"] = Field(
+    prompt_cell_style: Literal["nbconvert", "percent"] = Field(
         _PROMPT.cell_style,  # type: ignore[arg-type]
-        description="how each cell begins: `percent` (`# %%`) or `nbconvert` (`# In[7]:` and"
-        " blank lines, as `jupyter nbconvert --to script` writes a notebook)",
+        description="how each cell begins: `nbconvert` (`# In[ ]:` and blank lines, as `jupyter"
+        " nbconvert --to script` writes a notebook, unnumbered) or `percent` (`# %%`)",
     )
     prompt_file_name: bool = Field(
         _PROMPT.file_name,
@@ -356,9 +358,8 @@ def _markdown_lines(cell: ContextCell, style: str = "percent") -> list[str]:
 NBCONVERT_HEAD = ["#!/usr/bin/env python", "# coding: utf-8", ""]
 
 
-def _in_marker(count: int | None) -> str:
-    """The line nbconvert writes before a code cell: `# In[7]:` (`# In[ ]:` never run)."""
-    return f"# In[{count if count is not None else ' '}]:"
+#: the line nbconvert writes before a code cell, unnumbered
+IN_MARKER = "# In[ ]:"
 
 
 def _markdown_block(cell: ContextCell, style: str) -> str:
@@ -366,11 +367,11 @@ def _markdown_block(cell: ContextCell, style: str) -> str:
     return "\n".join(_markdown_lines(cell, style) + [""]) + "\n"
 
 
-def _code_block(lines: list[str], style: str, count: int | None) -> str:
+def _code_block(lines: list[str], style: str) -> str:
     """A code cell's lines (its source, and an output shown) in the prompt's cell style."""
     if style == "percent":
         return "\n".join([CELL_MARKER, *lines, ""]) + "\n"
-    return "\n".join([_in_marker(count), "", "", *lines, "", "", ""])
+    return "\n".join([IN_MARKER, "", "", *lines, "", "", ""])
 
 
 #: what a code model's tokenizer makes a token of, about: each digit (Qwen's and Llama 3's
@@ -482,15 +483,14 @@ def next_cell_prompt(
             and (options.object_reprs or not object_reprs_only(c.output_text))
         ):
             lines += _output_lines(c, options.max_output_lines)
-        blocks.append(_code_block(lines, style, c.execution_count))
+        blocks.append(_code_block(lines, style))
     tail: list[str] = []
     if variables and options.runtime == "end":
         tail += ["# Live variables:", *("#   " + v for v in variables), ""]
     if style == "percent":
         tail += [CELL_MARKER, ""]
     else:
-        counts = [c.execution_count for c in cells if c.execution_count is not None]
-        tail += [_in_marker(counts[-1] + 1 if counts else None), "", "", ""]
+        tail += [IN_MARKER, "", "", ""]
     head_text, tail_text = "".join(line + "\n" for line in head), "\n".join(tail)
     below_wanted = fim is not None and options.below and bool(ctx.cells_below)
     budget = max_chars - max_chars // 4 if max_chars is not None and below_wanted else max_chars
@@ -507,7 +507,7 @@ def next_cell_prompt(
     shown = (examples or [])[: options.examples]
     files_wanted = bool(shown) or options.file_name
     if files_wanted and repo is not None and options.template == "raw" and not below_wanted:
-        files = _repository(ctx, shown, repo, options.example_lines)
+        files = _repository(ctx, shown, repo, options.example_lines, style)
         if limit is not None:
             chars, tokens = limit
             kept = cut_prompt(prefix, chars - len(files), tokens - approx_tokens(files))
@@ -525,7 +525,7 @@ def next_cell_prompt(
     after = "".join(
         _markdown_block(c, style)
         if c.cell_type == "markdown"
-        else _code_block([c.source.rstrip()], style, c.execution_count)
+        else _code_block([c.source.rstrip()], style)
         for c in below
     )
     suffix = _SPECIAL.sub("", "\n" + after.removesuffix("\n"))
@@ -543,10 +543,14 @@ def next_cell_prompt(
 
 
 def _repository(
-    ctx: PredictionContext, examples: list[Example], repo: RepoTokens, max_lines: int
+    ctx: PredictionContext,
+    examples: list[Example],
+    repo: RepoTokens,
+    max_lines: int,
+    style: str,
 ) -> str:
-    """The examples as files of a repository, and the separator of the notebook's own file
-    (the script follows it)."""
+    """The examples as files of a repository, their cells in the prompt's cell style, and the
+    separator of the notebook's own file (the script follows it)."""
 
     def file_name(path: str) -> str:
         # The folder and the name: `02-DataFrames/Snippets.py` (what the notebook is about).
@@ -556,12 +560,13 @@ def _repository(
         return "/".join(n for n in names if n) + ".py" if any(names) else "notebook.py"
 
     files = [f"{repo.repo_name}notebooks\n"]
+    head = "".join(line + "\n" for line in NBCONVERT_HEAD) if style == "nbconvert" else ""
     for example in examples:
-        cells = []
+        cells = [head]
         for source in example.cells:
             lines = _SPECIAL.sub("", source).rstrip().splitlines()
             cut = lines[:max_lines] + (["..."] if len(lines) > max_lines else [])
-            cells.append(f"{CELL_MARKER}\n" + "\n".join(cut) + "\n\n")
+            cells.append(_code_block(["\n".join(cut)], style))
         files.append(f"{repo.file_sep}{file_name(example.name)}\n" + "".join(cells))
     files.append(f"{repo.file_sep}{file_name(ctx.notebook_path or 'notebook')}\n")
     return "".join(files)
