@@ -349,11 +349,6 @@ def _window(cells: list[ContextCell], options: PromptOptions) -> list[ContextCel
     return cells[begin:]
 
 
-def _markdown_lines(cell: ContextCell, style: str = "percent") -> list[str]:
-    head = [f"{CELL_MARKER} [markdown]"] if style == "percent" else []
-    return head + ["# " + line for line in cell.source.splitlines()]
-
-
 #: the lines `jupyter nbconvert --to script` writes first
 NBCONVERT_HEAD = ["#!/usr/bin/env python", "# coding: utf-8", ""]
 
@@ -364,7 +359,8 @@ IN_MARKER = "# In[ ]:"
 
 def _markdown_block(cell: ContextCell, style: str) -> str:
     """A markdown cell as comments, in the prompt's cell style."""
-    return "\n".join(_markdown_lines(cell, style) + [""]) + "\n"
+    head = [f"{CELL_MARKER} [markdown]"] if style == "percent" else []
+    return "\n".join(head + ["# " + line for line in cell.source.splitlines()] + [""]) + "\n"
 
 
 def _code_block(lines: list[str], style: str) -> str:
