@@ -26,7 +26,8 @@ cached, <= 1.5 s cold; no suggestion over 5 s.
    text in each, so a variant may find the one before it evaluated them; compare
    `cache_reuse_tokens` on long notebooks with `benchmarks/cache_reuse.py` (a process each).
 2. Through a real `jupyter server` with the extension and no backend configured (the default
-   is the local model): the server's RSS, the first request against the later ones over HTTP.
+   is the local model): the RSS of the server and of its engine process, the first request
+   against the later ones over HTTP.
 
     .venv/bin/python benchmarks/local_model_latency.py [--corpus N | --own] [--cells 12] \
         [-o model=qwen2.5-coder-1.5b] [--no-server]
@@ -354,6 +355,7 @@ async def through_server(notebook: Path, repeat: int) -> None:
                     empty += first is None
                     store.add_execution(tid, {"source": cells[i], "status": "ok"})
                 rss = server.memory_info().rss
+                engine_rss = sum(c.memory_info().rss for c in server.children(recursive=True))
                 health = (await client.get(f"{base}/themisto/backends")).json()
                 detail = next(b for b in health["backends"] if b["name"] == "llamacpp")
         finally:
@@ -364,7 +366,10 @@ async def through_server(notebook: Path, repeat: int) -> None:
     print(f"requests answered without a suggestion (time limit): {empty} of {len(firsts)}")
     print(f"next {len(firsts) - 1} requests over HTTP, first chunk: {ms(firsts[1:])}")
     print(f"next {len(firsts) - 1} requests over HTTP, whole answer: {ms(totals[1:])}")
-    print(f"server RSS with the model loaded: {rss / 2**20:.0f} MB")
+    print(
+        f"server RSS with the model loaded: {rss / 2**20:.0f} MB,"
+        f" its engine's {engine_rss / 2**20:.0f} MB"
+    )
     print(f"health: {detail['health']['detail']}")
 
 

@@ -1,5 +1,5 @@
 """The llamacpp backend with the real embedded code model (Qwen2.5-Coder-0.5B-Instruct, assembled
-from the packages of the [llm] extra) run by llama.cpp in process (xllamacpp).
+from the packages of the [llm] extra) run by llama.cpp (xllamacpp) in a child process.
 
 Also the openai backend against the same llama.cpp engine's own OpenAI-compatible HTTP server
 (a third-party server, not our loopback peer) on loopback.

@@ -1,11 +1,12 @@
-"""The `llamacpp` backend: a local GGUF model run in this process by llama.cpp (xllamacpp).
+"""The `llamacpp` backend: a local GGUF model run by llama.cpp (xllamacpp) on this machine.
 
 xllamacpp ships llama.cpp prebuilt (CPU wheels on the package index: nothing compiles at
-install) and runs llama.cpp's own server engine inside this process: prompt caching per slot,
-a RAM cache of earlier prompts' states (a person's notebooks keep their prefix warm), and
-several generations at once by continuous batching. Its HTTP listener, which cannot be turned
-off, is bound to 127.0.0.1 on a free port and refuses every request without a random key that
-never leaves this process; its web page is off.
+install) and runs llama.cpp's own server engine, here in a child process of the server that a
+watchdog restarts when it ends or stops answering (`_engine`): prompt caching per slot, a RAM
+cache of earlier prompts' states (a person's notebooks keep their prefix warm), and several
+generations at once by continuous batching. Its HTTP listener, which cannot be turned off, is
+bound to 127.0.0.1 on a free port and refuses every request without a random key that never
+leaves the child; its web page is off.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import secrets
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -26,6 +25,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..context import PredictionContext
 from . import model_files
+from ._engine import EngineError, EngineProcess
 from ._local import (
     Completion,
     LocalModelPredictor,
@@ -51,26 +51,6 @@ from .prompts import (
 
 #: characters per token assumed when a prompt is cut to max_prompt_tokens (code: ~3.5-4)
 CHARS_PER_TOKEN = 3.0
-
-
-def import_engine() -> Any:
-    """Import xllamacpp, its OpenMP threads set to sleep rather than spin while they wait.
-
-    llama.cpp's CPU threads synchronize through OpenMP, which by default spins while it waits:
-    on a machine whose cores are busy (a kernel computing, other processes) that made generation
-    ~10 times slower here (1 token/s instead of 10 on 2 loaded cores). libgomp reads
-    OMP_WAIT_POLICY once, when it is loaded; a value the person set is kept, and the variable
-    is removed again so that kernels started by this server do not inherit it.
-    """
-    if "xllamacpp" in sys.modules or "OMP_WAIT_POLICY" in os.environ:
-        import xllamacpp
-    else:
-        os.environ["OMP_WAIT_POLICY"] = "passive"
-        try:
-            import xllamacpp
-        finally:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-    return xllamacpp
 
 
 def bundled_model_path() -> Path | None:
@@ -206,13 +186,13 @@ class LlamaCppSettings(LocalModelSettings):
 
 
 class LlamaCppPredictor(LocalModelPredictor):
-    """A GGUF model in process (llama.cpp through xllamacpp, extra `[llm]`; settings:
-    `LlamaCppSettings`). The model is loaded once per process: on the first request, or when
-    the server starts if this is its default backend.
+    """A GGUF model run by llama.cpp (xllamacpp, extra `[llm]`; settings: `LlamaCppSettings`)
+    in a child process (`_engine`). The model is loaded once per server process: on the first
+    request, or when the server starts if this is its default backend.
     """
 
     name = "llamacpp"
-    description = "A local GGUF code model in process (llama.cpp); default: Qwen2.5-Coder-0.5B"
+    description = "A local GGUF code model (llama.cpp); default: Qwen2.5-Coder-0.5B"
     settings_model = LlamaCppSettings
     settings: LlamaCppSettings
 
@@ -253,58 +233,39 @@ class LlamaCppPredictor(LocalModelPredictor):
             self.settings.speculative_draft,
         )
 
+    def engine_config(self, path: Path) -> dict[str, Any]:
+        """The engine's settings, as the child process reads them (`_engine._params`)."""
+        s = self.settings
+        return {
+            "model_path": str(path),
+            "n_ctx": s.n_ctx * s.parallel,  # shared by the slots
+            "parallel": s.parallel,
+            "n_predict": max(s.max_tokens, s.output_max_tokens),
+            "n_threads": self.n_threads,
+            "n_batch": s.n_batch,
+            "cache_ram_mb": s.cache_ram_mb,
+            "flash_attn": s.flash_attn,
+            "speculative_ngram": s.speculative_ngram,
+            "speculative_draft": s.speculative_draft,
+            "seed": s.seed,
+        }
+
     def shared(self) -> SharedModel:
         path = self.model_path()
-        try:
-            xllamacpp = import_engine()
-        except ImportError as e:
+        if importlib.util.find_spec("xllamacpp") is None:
             raise BackendUnavailable(
-                f"llamacpp: xllamacpp is not installed ({e}); pip install 'jupyter-themisto[llm]'"
-            ) from None
-
-        def load() -> Any:
-            params = xllamacpp.CommonParams()
-            params.model.path = str(path)
-            params.n_ctx = self.settings.n_ctx * self.settings.parallel  # shared by the slots
-            params.n_parallel = self.settings.parallel
-            params.n_predict = max(self.settings.max_tokens, self.settings.output_max_tokens)
-            params.cpuparams.n_threads = self.n_threads
-            params.cpuparams_batch.n_threads = self.n_threads
-            # The engine looks for cancelled requests between steps of n_batch tokens: a long
-            # prompt evaluated in one step could not be stopped for seconds.
-            params.n_batch = params.n_ubatch = self.settings.n_batch
-            params.cache_ram_mib = self.settings.cache_ram_mb
-            params.flash_attn_type = (
-                xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_ENABLED
-                if self.settings.flash_attn
-                else xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                "llamacpp: xllamacpp is not installed; pip install 'jupyter-themisto[llm]'"
             )
-            if self.settings.speculative_ngram:
-                spec = params.speculative
-                spec.types = [
-                    xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE
-                ]
-                spec.ngram_simple.size_n = self.settings.speculative_ngram
-                spec.ngram_simple.size_m = spec.draft.n_max = self.settings.speculative_draft
-            params.sampling.seed = self.settings.seed
-            params.verbosity = -1
-            # The engine's HTTP listener cannot be turned off: loopback, a free port, and a key
-            # nobody outside this process knows; no web page, no slot or metrics endpoints.
-            params.hostnames = ["127.0.0.1"]
-            params.port = 0
-            params.api_keys = [secrets.token_urlsafe(32)]
-            params.ui = False
-            params.endpoint_slots = False
-            params.endpoint_metrics = False
-            params.endpoint_props = False
+
+        def load() -> EngineProcess:
             try:
-                server = xllamacpp.Server(params)
-            except (RuntimeError, ValueError) as e:
-                raise BackendUnavailable(f"llamacpp: cannot load {path}: {e}") from None
-            details["fim"] = QWEN_FIM if _has_special_tokens(server, QWEN_FIM) else None
-            details["repo"] = QWEN_REPO if _has_special_tokens(server, QWEN_REPO) else None
-            details["single_tokens"] = _single_tokens(server, FENCES + NOT_FIRST)
-            return server
+                engine = EngineProcess(self.engine_config(path))
+            except (EngineError, OSError) as e:
+                raise BackendUnavailable(f"llamacpp: {e}") from None
+            details["fim"] = QWEN_FIM if _has_special_tokens(engine, QWEN_FIM) else None
+            details["repo"] = QWEN_REPO if _has_special_tokens(engine, QWEN_REPO) else None
+            details["single_tokens"] = _single_tokens(engine, FENCES + NOT_FIRST)
+            return engine
 
         details: dict[str, Any] = {}
         return shared_model(
@@ -475,16 +436,17 @@ class LlamaCppPredictor(LocalModelPredictor):
                 limited.append(True)
             return cancelled.is_set()  # True stops the request at this token or prompt step
 
-        model.model.handle_completions(self.request(job, model=model), on_chunk)
+        model.model.handle_completions(self.request(job, model=model), on_chunk, cancelled)
         if errors and not cancelled.is_set():
             raise BackendError(f"llamacpp: {errors[0]}")
         return bool(limited)
 
     def prefill(self, model: SharedModel, job: Completion) -> None:
-        body = self.request(job, stream=False, model=model)
+        # Streamed, for its progress chunks: they tell the engine's watchdog it is at work.
+        body = self.request(job, model=model)
         body["max_tokens"] = 0  # evaluate the prompt into a slot's cache; generate nothing
         with model.lock:
-            model.model.handle_completions(body)
+            model.model.handle_completions(body, lambda chunk: False)
 
     async def health(self) -> dict[str, Any]:
         if importlib.util.find_spec("xllamacpp") is None:
@@ -518,6 +480,9 @@ class LlamaCppPredictor(LocalModelPredictor):
             path = found
         loaded = loaded_model(self.model_key(path))
         state = f"loaded in {loaded.load_seconds:.1f} s" if loaded else "loads on first use"
+        restarts = getattr(loaded.model, "restarts", []) if loaded else []
+        if restarts:
+            state += f"; its engine restarted {len(restarts)}× (last: it {restarts[-1]})"
         return {
             "ok": True,
             "detail": f"{path.name} ({state}, {self.n_threads} threads,"

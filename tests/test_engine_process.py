@@ -1,0 +1,330 @@
+"""The llamacpp backend's engine in its child process (`backends._engine`), attacked: killed
+while it answers, frozen, orphaned, closed under a running request, sent requests it rejects,
+cancelled by the dozen. Each test looks at the processes before and after, and asks the next
+suggestion: the real model must answer it.
+
+Each test has an engine of its own (a distinct `cache_ram_mb` makes a distinct shared model):
+killing one never touches the engine another test file shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from jupyter_themisto.backends import BackendError, BackendUnavailable
+from jupyter_themisto.backends._engine import EngineError, EngineProcess
+from jupyter_themisto.backends._local import Completion
+from jupyter_themisto.backends.llamacpp import LlamaCppPredictor
+from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
+from tests.helpers import wait_for
+from tests.test_backend_llamacpp import ENDLESS, next_cells, session
+
+#: what a prompt the model continues for long (counting) is asked with
+LONG = 120
+
+
+@pytest.fixture(scope="module")
+def model_file():
+    path = find_model(QWEN_CODER_05B)
+    assert path is not None, "the [llm] extra and `jupyter themisto model install` (.ci/setup)"
+    return path
+
+
+_own = iter(range(200, 10_000, 8))
+
+
+def own_engine(**settings) -> LlamaCppPredictor:
+    """A backend whose engine no other test shares."""
+    settings.setdefault("cache_ram_mb", next(_own))
+    settings.setdefault("suggestion_timeout", 300)
+    settings.setdefault("output_timeout", 300)
+    return LlamaCppPredictor(settings)
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` exited (reaped, or a zombie its new parent has yet to reap)."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def engine_children() -> list[psutil.Process]:
+    """This process's engine children that still run."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if "jupyter_themisto.backends._engine" in child.cmdline() and not gone(child.pid):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def stream(backend, job, on_piece=None, cancelled=None):
+    """Run `job` on the backend's engine in this thread: (its pieces, the error it ended with)."""
+    model = backend.shared()
+    pieces: list[str] = []
+
+    def emit(piece: str) -> None:
+        pieces.append(piece)
+        if on_piece is not None:
+            on_piece(len(pieces))
+
+    try:
+        with model.lock:
+            backend.run(model, job, cancelled or threading.Event(), emit)
+    except BackendError as e:
+        return pieces, e
+    return pieces, None
+
+
+async def test_the_engine_is_a_child_process_and_the_server_holds_no_model(model_file):
+    backend = own_engine()
+    engine = backend.shared().model
+    assert isinstance(engine, EngineProcess)
+    child = psutil.Process(engine.pid)
+    assert engine.pid != os.getpid() and child.ppid() == os.getpid()
+    assert child.cmdline()[1:3] == ["-m", "jupyter_themisto.backends._engine"]
+    # The model's weights are mapped by the child, not by this process.
+    assert any(str(model_file) in m.path for m in child.memory_maps())
+    assert not any(str(model_file) in m.path for m in psutil.Process().memory_maps())
+    # Its own session: a Ctrl+C at the server's terminal (which asks before stopping) does not
+    # reach it.
+    assert os.getsid(engine.pid) == engine.pid != os.getsid(0)
+    assert (await next_cells(backend, session()))[0].strip()
+    assert engine.restarts == []
+
+
+async def test_an_engine_killed_while_it_answers_fails_that_answer_and_the_next_is_answered(
+    model_file,
+):
+    backend = own_engine()
+    engine = backend.shared().model
+    first = engine.pid
+
+    def kill(pieces: int) -> None:
+        if pieces == 3:
+            os.kill(first, signal.SIGKILL)
+
+    pieces, error = stream(backend, Completion(ENDLESS, max_tokens=LONG), kill)
+    assert isinstance(error, EngineError)
+    assert "the engine process ended (exit code -9)" in str(error)
+    assert 3 <= len(pieces) < LONG
+    await wait_for(lambda: gone(first), 10)
+    assert not psutil.pid_exists(first)  # reaped: no zombie left behind
+    # The next suggestion starts a new engine, and the model answers it.
+    texts = await next_cells(backend, session())
+    assert texts[0].strip()
+    assert engine.pid != first and engine.restarts == ["ended (exit code -9)"]
+    health = (await backend.health())["detail"]
+    assert "its engine restarted 1× (last: it ended (exit code -9))" in health
+    assert [c.pid for c in engine_children() if c.pid in (first, engine.pid)] == [engine.pid]
+
+
+async def test_a_kill_mid_suggestion_reaches_the_person_as_a_backend_error(model_file):
+    backend = own_engine()
+    engine = backend.shared().model
+    first = engine.pid
+    real = backend.run
+
+    def run_and_kill(model, job, cancelled, emit):
+        def emit_and_kill(piece: str) -> None:
+            emit(piece)
+            if not gone(first):
+                os.kill(first, signal.SIGKILL)
+
+        return real(model, job, cancelled, emit_and_kill)
+
+    backend.run = run_and_kill
+    with pytest.raises(BackendError, match="engine process ended") as raised:
+        await next_cells(backend, session())
+    assert raised.value.status == 502
+    backend.run = real
+    assert (await next_cells(backend, session()))[0].strip()
+    assert engine.pid != first
+
+
+async def test_a_frozen_engine_is_killed_after_its_stall_timeout_and_replaced(model_file):
+    backend = own_engine()
+    engine = backend.shared().model
+    engine.stall_timeout = 2.0
+    first = engine.pid
+
+    def freeze(pieces: int) -> None:
+        if pieces == 2:
+            os.kill(first, signal.SIGSTOP)
+
+    start = time.monotonic()
+    pieces, error = stream(backend, Completion(ENDLESS, max_tokens=LONG), freeze)
+    took = time.monotonic() - start
+    assert isinstance(error, EngineError)
+    assert "stopped answering for 2 s: killed" in str(error) or "for 3 s" in str(error)
+    assert 2 <= len(pieces) < LONG and took < 15
+    await wait_for(lambda: gone(first), 10)
+    texts = await next_cells(backend, session())
+    assert texts[0].strip() and engine.pid != first
+    assert len(engine.restarts) == 1 and "stopped answering" in engine.restarts[0]
+
+
+async def test_a_frozen_request_that_was_cancelled_still_ends_the_engine(model_file):
+    # The suggestion's time ran out and it was cancelled: the engine, frozen, never hears it;
+    # the watchdog still ends it, and the slot it held is free again.
+    backend = own_engine()
+    engine = backend.shared().model
+    engine.stall_timeout = 2.0
+    first = engine.pid
+    cancelled = threading.Event()
+
+    def freeze(pieces: int) -> None:
+        if pieces == 1:
+            os.kill(first, signal.SIGSTOP)
+            cancelled.set()
+
+    _, error = stream(backend, Completion(ENDLESS, max_tokens=LONG), freeze, cancelled)
+    assert isinstance(error, EngineError) and "stopped answering" in str(error)
+    assert backend.shared().lock.acquire(timeout=0)  # (the slot was given back)
+    backend.shared().lock.release()
+    assert (await next_cells(backend, session()))[0].strip() and engine.pid != first
+
+
+async def test_an_idle_engine_is_never_taken_for_stuck(model_file):
+    # Silence counts only while a request waits: a stopped engine with no work is left alone.
+    backend = own_engine(n_batch=32)  # (steps of a prompt well within the stall timeout)
+    engine = backend.shared().model
+    engine.stall_timeout = 3.0
+    pid = engine.pid
+    os.kill(pid, signal.SIGSTOP)
+    await asyncio.sleep(5)
+    os.kill(pid, signal.SIGCONT)
+    # Its last word came long ago: the stall counts from the request, not from then.
+    assert (await next_cells(backend, session()))[0].strip()
+    assert engine.pid == pid and engine.restarts == []
+
+
+async def test_a_warm_up_is_heard_while_it_evaluates_a_long_prompt(model_file):
+    # A prompt evaluated into the cache (max_tokens 0) says nothing until it is done unless it
+    # streams: its progress, a chunk per step of n_batch tokens, is what the watchdog hears.
+    backend = own_engine(n_batch=32)
+    engine = backend.shared().model
+    prompt = "".join(f"value_{i} = {i} * {i}\n" for i in range(60))
+    body = backend.request(Completion(prompt, max_tokens=1), model=backend.shared())
+    body["max_tokens"] = 0
+    chunks: list[dict] = []
+    engine.handle_completions(body, lambda chunk: chunks.append(chunk) and False)
+    progress = [c for c in chunks if isinstance(c, dict) and "prompt_progress" in c]
+    assert len(progress) >= 5, chunks[:3]
+
+
+async def test_requests_the_engine_rejects_fail_alone(model_file):
+    backend = own_engine()
+    engine = backend.shared().model
+    pid = engine.pid
+    for body in [
+        {},
+        {"prompt": 5, "max_tokens": 4},
+        {"prompt": "x = ", "max_tokens": "many"},
+        {"prompt": "x = ", "temperature": "hot"},
+        {"prompt": [999_999_999], "max_tokens": 4},
+    ]:
+        answer = engine.handle_completions(body)
+        assert answer["error"]["code"] == 400 and answer["error"]["message"], (body, answer)
+        chunks: list = []
+        engine.handle_completions(dict(body, stream=True), chunks.append)
+        assert chunks and "error" in json.dumps(chunks), (body, chunks)
+    assert engine.pid == pid and engine.restarts == []
+    assert (await next_cells(backend, session()))[0].strip()
+
+
+async def test_many_requests_cancelled_at_once_leave_the_engine_answering(model_file):
+    backend = own_engine(parallel=2)
+    engine = backend.shared().model
+    pid = engine.pid
+    results: list[tuple[list[str], BackendError | None]] = []
+
+    def one(seed: int) -> None:
+        cancelled = threading.Event()
+        job = Completion(ENDLESS, max_tokens=LONG, temperature=0.8, seed=seed)
+        results.append(stream(backend, job, lambda n: n >= 2 and cancelled.set(), cancelled))
+
+    threads = [threading.Thread(target=one, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 8
+    for pieces, error in results:
+        assert error is None and 2 <= len(pieces) < 12, (len(pieces), error)
+    assert engine.pid == pid and engine.restarts == []
+    assert (await next_cells(backend, session()))[0].strip()
+
+
+def test_closing_ends_the_engine_and_what_it_was_answering(model_file):
+    backend = own_engine()
+    engine = EngineProcess(backend.engine_config(model_file))
+    pid = engine.pid
+    errors: list[Exception] = []
+
+    def long_answer() -> None:
+        body = backend.request(Completion(ENDLESS, max_tokens=LONG))
+        try:
+            engine.handle_completions(body, lambda chunk: False)
+        except EngineError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=long_answer)
+    worker.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    engine.close()
+    worker.join(10)
+    assert not worker.is_alive() and time.monotonic() - start < 8
+    assert gone(pid) and not psutil.pid_exists(pid)
+    assert len(errors) == 1 and "the engine process was closed" in str(errors[0])
+    with pytest.raises(EngineError, match="closed"):
+        engine.handle_completions({"prompt": "x", "max_tokens": 1})
+    assert pid not in [c.pid for c in engine_children()]
+
+
+def test_an_engine_outlives_no_server(model_file, tmp_path):
+    # The server is killed (SIGKILL: no atexit, no close): its engine exits on its own.
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import sys, time\n"
+        "from jupyter_themisto.backends.llamacpp import LlamaCppPredictor\n"
+        "engine = LlamaCppPredictor({}).shared().model\n"
+        "print(engine.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(server.stdout.readline())
+        assert psutil.Process(pid).ppid() == server.pid
+    finally:
+        server.kill()
+        server.wait()
+    deadline = time.monotonic() + 15
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(pid)
+
+
+def test_a_model_the_engine_cannot_load_leaves_no_process(model_file, tmp_path):
+    before = {c.pid for c in engine_children()}
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(model_file.read_bytes()[: 1 << 20])  # a real file's first MB
+    backend = own_engine(model_path=str(broken))
+    with pytest.raises(BackendUnavailable, match=f"cannot load {broken}"):
+        backend.shared()
+    time.sleep(0.5)
+    assert {c.pid for c in engine_children()} <= before
