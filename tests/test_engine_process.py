@@ -23,7 +23,7 @@ import pytest
 
 from jupyter_themisto.backends import BackendError, BackendUnavailable
 from jupyter_themisto.backends._engine import EngineError, EngineProcess
-from jupyter_themisto.backends._local import Completion
+from jupyter_themisto.backends._local import Completion, close_model, loaded_models
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
 from tests.helpers import wait_for
@@ -38,6 +38,17 @@ def model_file():
     path = find_model(QWEN_CODER_05B)
     assert path is not None, "the [llm] extra and `jupyter themisto model install` (.ci/setup)"
     return path
+
+
+@pytest.fixture(autouse=True)
+def _close_own_engines():
+    """The engines a test started are closed after it (other test files count the loaded
+    models), and none of their processes is left."""
+    before, running = set(loaded_models()), {c.pid for c in engine_children()}
+    yield
+    for key in set(loaded_models()) - before:
+        close_model(key)
+    assert {c.pid for c in engine_children()} <= running
 
 
 _own = iter(range(200, 10_000, 8))

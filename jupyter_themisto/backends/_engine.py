@@ -7,7 +7,8 @@ request waited until its timeout (llama.cpp reports alike: ggml-org/llama.cpp#16
 engine runs in a child process, behind the same `handle_completions` the backend used in
 process: a child that ends, or that has work and says nothing for `stall_timeout` seconds, is
 killed; the requests it held end with an error that says so, and the next request starts a new
-engine (the model loads again, ~1 s for the default model; its prompt cache starts empty).
+engine (the model loads again, 1.5-2 s for the default model on 2 cores; its prompt cache
+starts empty).
 
 The child is `python -m jupyter_themisto.backends._engine`. It reads the engine's settings as
 one JSON line on stdin and answers `{"ready": address}` (its HTTP listener, which xllamacpp

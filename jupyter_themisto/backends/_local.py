@@ -227,23 +227,35 @@ def shared_model(
         return found
 
 
-def _close_models() -> None:
-    # Free native models while the interpreter is whole (llama.cpp's finalizers fail later).
+def _close(shared: SharedModel) -> None:
     # Generations still running are stopped first and waited for: a worker thread that calls
     # back into Python while the interpreter shuts down would abort the process.
+    for flag in list(shared.running):
+        flag.set()
+    held = [shared.lock.acquire(timeout=30) for _ in range(shared.slots)]
+    close = getattr(shared.model, "close", None)
+    if callable(close):
+        close()
+    shared.model = None
+    for got in held:
+        if got:
+            shared.lock.release()
+
+
+def _close_models() -> None:
+    # Free native models while the interpreter is whole (llama.cpp's finalizers fail later).
     with _models_lock:
         for shared in _models.values():
-            for flag in list(shared.running):
-                flag.set()
-            held = [shared.lock.acquire(timeout=30) for _ in range(shared.slots)]
-            close = getattr(shared.model, "close", None)
-            if callable(close):
-                close()
-            shared.model = None
-            for got in held:
-                if got:
-                    shared.lock.release()
+            _close(shared)
         _models.clear()
+
+
+def close_model(key: Hashable) -> None:
+    """Stop and free the model for `key`, if loaded (the next backend to ask loads it again)."""
+    with _models_lock:
+        shared = _models.pop(key, None)
+        if shared is not None:
+            _close(shared)
 
 
 def loaded_model(key: Hashable) -> SharedModel | None:
