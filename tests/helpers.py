@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import nbformat
+import psutil
 import pytest
 from tornado.httpclient import HTTPClientError
 
@@ -50,6 +51,22 @@ async def wait_for(predicate: Callable[[], T], timeout: float = 60.0) -> T:
             return value
         await asyncio.sleep(0.1)
     raise AssertionError("timed out waiting")
+
+
+def running(process: psutil.Process) -> bool:
+    """Whether `process` still runs: not a zombie, and not gone since it was listed."""
+    try:
+        return process.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` exited (reaped, or a zombie its parent has yet to reap)."""
+    try:
+        return not running(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return True
 
 
 def engine_runs(backend: Any) -> list[Any]:

@@ -26,7 +26,7 @@ from jupyter_themisto.backends._engine import EngineError, EngineProcess
 from jupyter_themisto.backends._local import Completion, close_model, loaded_models
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor
 from jupyter_themisto.backends.model_files import QWEN_CODER_05B, find_model
-from tests.helpers import wait_for
+from tests.helpers import gone, running, wait_for
 from tests.test_backend_llamacpp import ENDLESS, next_cells, session
 
 #: what a prompt the model continues for long (counting) is asked with
@@ -62,20 +62,12 @@ def own_engine(**settings) -> LlamaCppPredictor:
     return LlamaCppPredictor(settings)
 
 
-def gone(pid: int) -> bool:
-    """Whether process `pid` exited (reaped, or a zombie its new parent has yet to reap)."""
-    try:
-        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.NoSuchProcess:
-        return True
-
-
 def engine_children() -> list[psutil.Process]:
     """This process's engine children that still run."""
     found = []
     for child in psutil.Process().children():
         try:
-            if "jupyter_themisto.backends._engine" in child.cmdline() and not gone(child.pid):
+            if "jupyter_themisto.backends._engine" in child.cmdline() and running(child):
                 found.append(child)
         except psutil.NoSuchProcess:
             pass

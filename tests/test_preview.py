@@ -14,6 +14,7 @@ import pytest
 
 from jupyter_themisto.store import TrajectoryStore
 
+from .helpers import running
 from .preview_kernel import Kernel, kernel_for_path, namespaces, text_of
 
 #: the two ways a preview is made: a root kernel forks it straight into its namespaces; a kernel
@@ -241,11 +242,7 @@ def test_a_cell_that_waits_for_input_is_not_previewed(kernel):
 
 def _running_children(kernel) -> list[psutil.Process]:
     # (the recorder's finished snapshot children may linger as zombies)
-    return [
-        c
-        for c in psutil.Process(kernel.pid).children(recursive=True)
-        if c.status() != psutil.STATUS_ZOMBIE
-    ]
+    return [c for c in psutil.Process(kernel.pid).children(recursive=True) if running(c)]
 
 
 def test_a_long_cell_is_previewed_to_its_end(kernel):
@@ -474,7 +471,7 @@ def test_interrupting_the_kernel_kills_the_preview(kernel):
 
     def running_children() -> list:
         # (the recorder's finished snapshot children may linger as zombies)
-        return [c for c in proc.children() if c.status() != psutil.STATUS_ZOMBIE]
+        return [c for c in proc.children() if running(c)]
 
     deadline = time.monotonic() + 30
     while running_children():  # the recorder's snapshot of the last real cell

@@ -19,7 +19,16 @@ from tornado.httpclient import HTTPClientError
 
 from jupyter_themisto.backends.preview import _not_idle
 from jupyter_themisto.store import TrajectoryStore
-from tests.helpers import parse_sse, post, run_cell, server_config, start_session, wait_for
+from tests.helpers import (
+    gone,
+    parse_sse,
+    post,
+    run_cell,
+    running,
+    server_config,
+    start_session,
+    wait_for,
+)
 from tests.peers import OpenAIPeer
 
 
@@ -112,14 +121,7 @@ def preview_processes(kernel_pid: int) -> list[psutil.Process]:
     except psutil.NoSuchProcess:
         found = []
     found += [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == SLEEPER]
-    alive = []
-    for p in found:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return [p for p in found if running(p)]
 
 
 async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeout=120, **extra):
@@ -247,7 +249,7 @@ async def test_a_preview_whose_kernel_ends_is_answered_at_once(
     assert len(reasons) == 1 and reasons[0].startswith("preview cancelled"), events
     assert time.monotonic() - started < 25
     await wait_for(lambda: not preview_processes(pid), timeout=20)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert gone(pid)
     if end == "killed":
         # The server restarts a killed kernel. Shut it down here once that restart is over:
         # the fixture's teardown, meeting a restart half done, fails in jupyter_client

@@ -21,6 +21,7 @@ from playwright.sync_api import Browser, Page, WebSocket, expect, sync_playwrigh
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from jupyter_themisto.store import TrajectoryStore
+from tests.helpers import running
 from tests.peers import Fault, OpenAIPeer
 from tests.ui.lab import (
     CHROMIUM,
@@ -789,7 +790,7 @@ def _preview_processes(kernel_id: str) -> list[psutil.Process]:
     monitor, and what the cell started)."""
     for p in psutil.process_iter(["cmdline"]):
         if any(f"kernel-{kernel_id}.json" in arg for arg in p.info["cmdline"] or []):
-            return [c for c in p.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+            return [c for c in p.children(recursive=True) if running(c)]
     raise AssertionError(f"no kernel {kernel_id}")
 
 
