@@ -3,7 +3,7 @@
 Targets (issue 11), on 2 cores: first chunk <= 300 ms when the notebook's prompt prefix is
 cached, <= 1.5 s cold; no suggestion over 5 s.
 
-1. In process, through LlamaCppPredictor (the default model, Qwen2.5-Coder-0.5B-Instruct), on
+1. Through LlamaCppPredictor, no server (the default model, Qwen2.5-Coder-0.5B-Instruct), on
    real notebooks written by others (`--corpus N`, default 6: benchmark corpus notebooks from
    N repositories, `corpus.spread`; `--own` takes the four small synthetic notebooks of
    benchmarks/notebooks instead, a quick check whose figures count for nothing), their code
@@ -393,7 +393,7 @@ def main() -> None:
     add_option_flag(p, "-o model=qwen2.5-coder-1.5b (the in-process cases)")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
-    print("== in process")
+    print("== through the backend (no server)")
     long = long_notebooks(args.long, 40) if args.long else []
     if args.own:
         notebooks = NOTEBOOKS
