@@ -126,7 +126,8 @@ async def test_an_engine_killed_while_it_answers_fails_that_answer_and_the_next_
     assert 3 <= len(pieces) < LONG
     await wait_for(lambda: gone(first), 10)
     assert not psutil.pid_exists(first)  # reaped: no zombie left behind
-    # The next suggestion starts a new engine, and the model answers it.
+    # A new engine starts at once, before anything is asked, and the model answers.
+    await wait_for(lambda: engine.pid != first and running(psutil.Process(engine.pid)), 60)
     texts = await next_cells(backend, session())
     assert texts[0].strip()
     assert engine.pid != first and engine.restarts == ["ended (exit code -9)"]
@@ -296,7 +297,33 @@ def test_closing_ends_the_engine_and_what_it_was_answering(model_file):
     assert len(errors) == 1 and "the engine process was closed" in str(errors[0])
     with pytest.raises(EngineError, match="closed"):
         engine.handle_completions({"prompt": "x", "max_tokens": 1})
+    time.sleep(1.0)
+    assert engine.pid == pid and engine.restarts == []  # (a closed engine is not started again)
     assert pid not in [c.pid for c in engine_children()]
+
+
+async def test_a_model_file_gone_while_its_engine_runs_is_said_and_then_found_again(
+    model_file, tmp_path, caplog
+):
+    others = {c.pid for c in engine_children()}
+    link = tmp_path / "model.gguf"
+    link.symlink_to(model_file)
+    backend = own_engine(model_path=str(link))
+    engine = backend.shared().model
+    first = engine.pid
+    link.unlink()
+    os.kill(first, signal.SIGKILL)
+    # The new engine cannot load it: said in the log, and to the next request; nothing loops.
+    await wait_for(lambda: "did not start again" in caplog.text, 60)
+    assert f"cannot load {link}" in caplog.text
+    with pytest.raises(BackendUnavailable, match="no model file"):
+        await next_cells(backend, session())
+    await asyncio.sleep(1.0)
+    assert caplog.text.count("did not start again") == 1
+    assert {c.pid for c in engine_children()} <= others
+    link.symlink_to(model_file)  # (put back: the next request starts the engine)
+    assert (await next_cells(backend, session()))[0].strip()
+    assert engine.pid != first and running(psutil.Process(engine.pid))
 
 
 def test_an_engine_outlives_no_server(model_file, tmp_path):

@@ -6,9 +6,9 @@ on the benchmark corpus, the engine's thread spun for ever in `update_slots` and
 request waited until its timeout (llama.cpp reports alike: ggml-org/llama.cpp#16448). Here the
 engine runs in a child process, behind the same `handle_completions` the backend used in
 process: a child that ends, or that has work and says nothing for `stall_timeout` seconds, is
-killed; the requests it held end with an error that says so, and the next request starts a new
-engine (the model loads again, 1.5-2 s for the default model on 2 cores; its prompt cache
-starts empty).
+killed; the requests it held end with an error that says so, and a new engine starts at once
+(the model loads again, 1.5-2 s for the default model on 2 cores, which a request asked
+meanwhile waits for; its prompt cache starts empty).
 
 The child is `python -m jupyter_themisto.backends._engine`. It reads the engine's settings as
 one JSON line on stdin and answers `{"ready": address}` (its HTTP listener, which xllamacpp
@@ -55,8 +55,13 @@ class EngineError(BackendError):
 class _Child:
     """One engine process: its pipes, and the requests it holds."""
 
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[str], on_end: Callable[[_Child], None] | None = None
+    ) -> None:
         self.proc = proc
+        #: called (in the reader thread) once a child that had loaded its model has ended
+        self.on_end = on_end
+        self.ready = False
         #: each request's messages, by id (a request sent to a child that ended gets its end)
         self.pending: dict[int, queue.Queue[dict[str, Any]]] = {}
         self.started: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -113,6 +118,7 @@ class _Child:
                 log.debug("llamacpp engine: not a message: %r", line[:200])
                 continue
             if "ready" in message or "failed" in message:
+                self.ready = "ready" in message
                 self.started.put(message)
                 continue
             with self._lock:
@@ -128,15 +134,17 @@ class _Child:
         self.started.put({"failed": f"the engine process {self.ended}"})
         for found in pending.values():
             found.put({"end": True, "error": f"the engine process {self.ended}"})
+        if self.ready and self.on_end is not None:
+            self.on_end(self)
 
 
 class EngineProcess:
     """llama.cpp's engine in a child process, asked as an `xllamacpp.Server` is
-    (`handle_completions`), started again after it ended or stopped answering.
+    (`handle_completions`), started again as soon as it ended or stopped answering.
 
     `config`: the engine's settings (see `_params`); `stall_timeout`: seconds of silence with
-    work pending after which the engine is killed (the request then fails, the next one starts
-    a new engine)."""
+    work pending after which the engine is killed (its requests then fail, and a new engine
+    starts)."""
 
     def __init__(self, config: dict[str, Any], stall_timeout: float = STALL_TIMEOUT) -> None:
         self.config = config
@@ -168,7 +176,7 @@ class EngineProcess:
             env=env,
             start_new_session=True,
         )
-        child = _Child(proc)
+        child = _Child(proc, self._ended)
         threading.Thread(target=child.read, name="themisto-engine-reader", daemon=True).start()
         child.send(self.config)
         try:
@@ -183,6 +191,19 @@ class EngineProcess:
             raise EngineError(f"cannot load {self.config.get('model_path')}: {started['failed']}")
         self.listening_address = str(started["ready"])
         return child
+
+    def _ended(self, child: _Child) -> None:
+        """A child that had loaded its model ended: a new one starts at once, in the background,
+        unless the engine was closed (a request asked meanwhile waits for it)."""
+        if child is self._child and not self._closed:
+            name = "themisto-engine-start"
+            threading.Thread(target=self._restart, name=name, daemon=True).start()
+
+    def _restart(self) -> None:
+        try:
+            self._running()
+        except EngineError as e:
+            log.warning("llamacpp: the engine did not start again (%s); the next request tries", e)
 
     def _running(self) -> _Child:
         """The running child, a new one if the last one ended."""
@@ -224,7 +245,7 @@ class EngineProcess:
                 silent = time.monotonic() - max(child.heard, sent)
                 if silent > self.stall_timeout:
                     why = f"stopped answering for {silent:.0f} s: killed"
-                    log.warning("llamacpp: the engine %s; the next request starts a new one", why)
+                    log.warning("llamacpp: the engine %s; a new one starts", why)
                     child.kill(why)
             if message is not None and "chunk" in message and callback and not stopping:
                 stopping = bool(callback(message["chunk"]))
