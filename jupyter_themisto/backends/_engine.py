@@ -243,7 +243,7 @@ class EngineProcess:
             except queue.Empty:
                 message = None
                 silent = time.monotonic() - max(child.heard, sent)
-                if silent > self.stall_timeout:
+                if silent > self.stall_timeout and child.killed_for is None:
                     why = f"stopped answering for {silent:.0f} s: killed"
                     log.warning("llamacpp: the engine %s; a new one starts", why)
                     child.kill(why)
