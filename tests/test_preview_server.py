@@ -128,18 +128,30 @@ async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeou
     """A request previewing LONG, once its `sleep 301` runs: (the request's task, kernel pid)."""
     pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.process.pid
     await wait_for(lambda: not preview_processes(pid))  # (the recorder's snapshot child)
-    task = asyncio.ensure_future(
-        post(
-            jp_fetch,
-            "output",
-            {"kernel_id": kernel_id, "source": LONG, "backend": "preview", **extra},
-            request_timeout=request_timeout,
+
+    def sleeping() -> bool:
+        return any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
+
+    for _ in range(50):
+        task = asyncio.ensure_future(
+            post(
+                jp_fetch,
+                "output",
+                {"kernel_id": kernel_id, "source": LONG, "backend": "preview", **extra},
+                request_timeout=request_timeout,
+            )
         )
-    )
-    await wait_for(
-        lambda: any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
-    )
-    return task, pid
+        await wait_for(lambda task=task: task.done() or sleeping())
+        if not task.done():
+            return task, pid
+        # Refused: a preview answered just before may leave the kernel busy for a moment after
+        # its answer (its reply and idle status come next), and with `busy_wait` 0 a busy
+        # kernel is refused at once. Anything else is a failure.
+        events = parse_sse((await task).body.decode())
+        reasons = [d["reason"] for n, d in events if n == "no_prediction"]
+        assert reasons and reasons[0].startswith("kernel busy"), events
+        await asyncio.sleep(0.1)
+    raise AssertionError("the kernel stayed busy")
 
 
 async def superseded_by_its_client(jp_fetch, jp_serverapp, kernel_id) -> int:
