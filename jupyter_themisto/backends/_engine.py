@@ -247,13 +247,12 @@ class EngineProcess:
                     why = f"stopped answering for {silent:.0f} s: killed"
                     log.warning("llamacpp: the engine %s; a new one starts", why)
                     child.kill(why)
-            if message is not None and "chunk" in message and callback and not stopping:
-                stopping = bool(callback(message["chunk"]))
-                if stopping:
+            if not stopping:
+                chunk = message.get("chunk") if message is not None else None
+                asked = callback is not None and chunk is not None and bool(callback(chunk))
+                if asked or (cancelled is not None and cancelled.is_set()):
                     child.send({"cancel": rid})
-            if cancelled is not None and cancelled.is_set() and not stopping:
-                child.send({"cancel": rid})
-                stopping = True
+                    stopping = True
             if message is not None and message.get("end"):
                 if message.get("error"):
                     raise EngineError(str(message["error"]))
