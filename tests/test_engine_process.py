@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from jupyter_themisto.backends import BackendError, BackendUnavailable
+from jupyter_themisto.backends import BackendError, BackendUnavailable, llamacpp
 from jupyter_themisto.backends._engine import EngineError, EngineProcess
 from jupyter_themisto.backends._local import Completion, close_model, loaded_models
 from jupyter_themisto.backends.llamacpp import LlamaCppPredictor
@@ -163,10 +163,9 @@ async def test_a_kill_mid_suggestion_reaches_the_person_as_a_backend_error(model
     assert engine.pid != first
 
 
-async def test_a_frozen_engine_is_killed_after_its_stall_timeout_and_replaced(model_file):
-    backend = own_engine()
+async def test_a_frozen_engine_is_killed_after_its_stall_timeout_and_replaced(model_file, caplog):
+    backend = own_engine(engine_stall_timeout=2.0)
     engine = backend.shared().model
-    engine.stall_timeout = 2.0
     first = engine.pid
 
     def freeze(pieces: int) -> None:
@@ -183,14 +182,16 @@ async def test_a_frozen_engine_is_killed_after_its_stall_timeout_and_replaced(mo
     texts = await next_cells(backend, session())
     assert texts[0].strip() and engine.pid != first
     assert len(engine.restarts) == 1 and "stopped answering" in engine.restarts[0]
+    # Said in the log of the backend that loaded it (in a server, the server's log).
+    said = [r for r in caplog.records if "stopped answering" in r.getMessage()]
+    assert said and {r.name for r in said} == {backend.env.log.name}
 
 
 async def test_a_frozen_request_that_was_cancelled_still_ends_the_engine(model_file):
     # The suggestion's time ran out and it was cancelled: the engine, frozen, never hears it;
     # the watchdog still ends it, and the slot it held is free again.
-    backend = own_engine()
+    backend = own_engine(engine_stall_timeout=2.0)
     engine = backend.shared().model
-    engine.stall_timeout = 2.0
     first = engine.pid
     cancelled = threading.Event()
 
@@ -208,9 +209,9 @@ async def test_a_frozen_request_that_was_cancelled_still_ends_the_engine(model_f
 
 async def test_an_idle_engine_is_never_taken_for_stuck(model_file):
     # Silence counts only while a request waits: a stopped engine with no work is left alone.
-    backend = own_engine(n_batch=32)  # (steps of a prompt well within the stall timeout)
+    # (steps of a prompt well within the stall timeout)
+    backend = own_engine(n_batch=32, engine_stall_timeout=3.0)
     engine = backend.shared().model
-    engine.stall_timeout = 3.0
     pid = engine.pid
     os.kill(pid, signal.SIGSTOP)
     await asyncio.sleep(5)
@@ -351,6 +352,39 @@ def test_an_engine_outlives_no_server(model_file, tmp_path):
     while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(pid)
+
+
+def test_an_engine_that_fails_as_the_model_is_first_asked_is_ended_and_said(
+    model_file, monkeypatch
+):
+    # The engine loaded its model, then froze as the server probed its vocabulary (the first
+    # requests it gets): the load fails as the backend being unavailable (a 503, not a
+    # backend's error), no process is left behind, and the next request loads the model again.
+    before = {c.pid for c in engine_children()}
+    backend = own_engine(engine_stall_timeout=2.0)
+    real = llamacpp._prompt_tokens
+    frozen: list[int] = []
+
+    def freeze_at_first(server, prompt):
+        if not frozen:
+            frozen.append(server.pid)
+            os.kill(server.pid, signal.SIGSTOP)
+        return real(server, prompt)
+
+    monkeypatch.setattr(llamacpp, "_prompt_tokens", freeze_at_first)
+    start = time.monotonic()
+    with pytest.raises(BackendUnavailable) as raised:
+        backend.shared()
+    assert "failed as the model was first asked: the engine process stopped answering" in str(
+        raised.value
+    )
+    assert raised.value.status == 503 and time.monotonic() - start < 15
+    assert backend.model_key() not in loaded_models() and gone(frozen[0])
+    time.sleep(0.5)  # (an engine started again behind the failed load would show by now)
+    assert {c.pid for c in engine_children()} <= before
+    monkeypatch.setattr(llamacpp, "_prompt_tokens", real)
+    assert backend.shared().model.pid != frozen[0]
+    assert backend.shared().details["single_tokens"]  # (probed this time)
 
 
 def test_a_model_the_engine_cannot_load_leaves_no_process(model_file, tmp_path):

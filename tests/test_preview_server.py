@@ -114,24 +114,25 @@ SLEEPER = ["sleep", f"301.{os.getpid()}"]
 LONG = f"import subprocess, time\np = subprocess.Popen({SLEEPER!r})\ntime.sleep(300)"
 
 
+def sleepers() -> list[psutil.Process]:
+    """LONG's `sleep 301` processes that still run (wherever a preview left them)."""
+    found = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == SLEEPER]
+    return [p for p in found if running(p)]
+
+
 def preview_processes(kernel_pid: int) -> list[psutil.Process]:
     """The kernel's running descendants (the preview's monitor, first process, `sleep 301`)."""
     try:
         found = psutil.Process(kernel_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         found = []
-    found += [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == SLEEPER]
-    return [p for p in found if running(p)]
+    return [p for p in found if running(p)] + sleepers()
 
 
 async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeout=120, **extra):
     """A request previewing LONG, once its `sleep 301` runs: (the request's task, kernel pid)."""
     pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.process.pid
     await wait_for(lambda: not preview_processes(pid))  # (the recorder's snapshot child)
-
-    def sleeping() -> bool:
-        return any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
-
     for _ in range(50):
         task = asyncio.ensure_future(
             post(
@@ -141,7 +142,7 @@ async def long_preview_running(jp_fetch, jp_serverapp, kernel_id, request_timeou
                 request_timeout=request_timeout,
             )
         )
-        await wait_for(lambda task=task: task.done() or sleeping())
+        await wait_for(lambda task=task: task.done() or sleepers())
         if not task.done():
             return task, pid
         # Refused: a preview answered just before may leave the kernel busy for a moment after
@@ -238,7 +239,7 @@ async def test_a_long_preview_runs_and_is_cancelled_with_its_request(
         assert "".join(d["text"] for n, d in events if n == "chunk") == "again\n", events
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
-    assert not any(p.info["cmdline"] == SLEEPER for p in psutil.process_iter(["cmdline"]))
+    assert not sleepers()
 
 
 @pytest.mark.parametrize("preview_timeout", [50.0])

@@ -241,6 +241,10 @@ async def test_a_suggestion_asked_while_it_is_written_ahead_follows_the_writing(
     del body["ahead"]  # (as the cell starts running)
     assert (await post(jp_fetch, "next-cell", body)).code == 204
     store.add_execution(tid, {"source": typed, "status": "ok", "execution_count": 3})
+    # Counted once its first words came: its own run began (the engine's thread looks the run
+    # up when it starts, which a loaded machine can delay past this point), and a streamed
+    # answer has no stand-ins after it. A run counted from here is the model asked again.
+    await wait_for(lambda: writing.chunks or writing.over)
     runs = engine_runs(backend)
     # (mostly still being written when asked; done or not, the run-start warm-up left it going)
     assert typed in writing.prompt

@@ -144,11 +144,17 @@ class EngineProcess:
 
     `config`: the engine's settings (see `_params`); `stall_timeout`: seconds of silence with
     work pending after which the engine is killed (its requests then fail, and a new engine
-    starts)."""
+    starts); `log`: where restarts are told (the server's log)."""
 
-    def __init__(self, config: dict[str, Any], stall_timeout: float = STALL_TIMEOUT) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        stall_timeout: float = STALL_TIMEOUT,
+        log: logging.Logger = log,
+    ) -> None:
         self.config = config
         self.stall_timeout = stall_timeout
+        self.log = log
         #: engines started after the first one ended, and why each of those ended
         self.restarts: list[str] = []
         self.listening_address = ""
@@ -203,7 +209,10 @@ class EngineProcess:
         try:
             self._running()
         except EngineError as e:
-            log.warning("llamacpp: the engine did not start again (%s); the next request tries", e)
+            if not self._closed:  # (closed meanwhile: nothing was to start)
+                self.log.warning(
+                    "llamacpp: the engine did not start again (%s); the next request tries", e
+                )
 
     def _running(self) -> _Child:
         """The running child, a new one if the last one ended."""
@@ -213,7 +222,7 @@ class EngineProcess:
             child = self._child
             ended = child.ended or child.killed_for  # (a killed child may not have ended yet)
             if ended is not None:
-                log.warning("llamacpp: the engine process %s: starting a new one", ended)
+                self.log.warning("llamacpp: the engine process %s: starting a new one", ended)
                 self.restarts.append(ended)
                 self._child = child = self._start()
             return child
@@ -245,7 +254,7 @@ class EngineProcess:
                 silent = time.monotonic() - max(child.heard, sent)
                 if silent > self.stall_timeout and child.killed_for is None:
                     why = f"stopped answering for {silent:.0f} s: killed"
-                    log.warning("llamacpp: the engine %s; a new one starts", why)
+                    self.log.warning("llamacpp: the engine %s; a new one starts", why)
                     child.kill(why)
             if not stopping:
                 chunk = message.get("chunk") if message is not None else None

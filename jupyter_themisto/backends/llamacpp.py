@@ -25,7 +25,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..context import PredictionContext
 from . import model_files
-from ._engine import EngineError, EngineProcess
+from ._engine import STALL_TIMEOUT, EngineError, EngineProcess
 from ._local import (
     Completion,
     LocalModelPredictor,
@@ -157,6 +157,13 @@ class LlamaCppSettings(LocalModelSettings):
     speculative_draft: int = Field(
         8, ge=1, description="with `speculative_ngram`: tokens drafted at a time"
     )
+    engine_stall_timeout: float = Field(
+        STALL_TIMEOUT,
+        gt=0,
+        description="seconds the engine's process may say nothing while it has work before it"
+        " is taken for stuck: it is killed, what it was answering fails, and a new one starts"
+        " (one step of `n_batch` prompt tokens takes ~1–2 s on 2 idle cores)",
+    )
 
     @field_validator("model", mode="before")
     @classmethod
@@ -231,6 +238,7 @@ class LlamaCppPredictor(LocalModelPredictor):
             self.settings.cache_ram_mb,
             self.settings.speculative_ngram,
             self.settings.speculative_draft,
+            self.settings.engine_stall_timeout,
         )
 
     def engine_config(self, path: Path) -> dict[str, Any]:
@@ -259,12 +267,20 @@ class LlamaCppPredictor(LocalModelPredictor):
 
         def load() -> EngineProcess:
             try:
-                engine = EngineProcess(self.engine_config(path))
+                engine = EngineProcess(
+                    self.engine_config(path), self.settings.engine_stall_timeout, self.env.log
+                )
             except (EngineError, OSError) as e:
                 raise BackendUnavailable(f"llamacpp: {e}") from None
-            details["fim"] = QWEN_FIM if _has_special_tokens(engine, QWEN_FIM) else None
-            details["repo"] = QWEN_REPO if _has_special_tokens(engine, QWEN_REPO) else None
-            details["single_tokens"] = _single_tokens(engine, FENCES + NOT_FIRST)
+            try:
+                details["fim"] = QWEN_FIM if _has_special_tokens(engine, QWEN_FIM) else None
+                details["repo"] = QWEN_REPO if _has_special_tokens(engine, QWEN_REPO) else None
+                details["single_tokens"] = _single_tokens(engine, FENCES + NOT_FIRST)
+            except EngineError as e:  # (not loaded: the next request starts it again)
+                engine.close()
+                raise BackendUnavailable(
+                    f"llamacpp: the engine failed as the model was first asked: {e}"
+                ) from None
             return engine
 
         details: dict[str, Any] = {}
