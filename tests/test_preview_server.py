@@ -560,17 +560,30 @@ async def test_the_preview_runs_the_cell_as_written_and_its_fallback_gets_no_sec
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
 
 
+#: a kernel whose Linux lacks seccomp (the preview then answers "unsupported")
+NO_SECCOMP = (
+    "import jupyter_themisto.kernel.sandbox as _sandbox\n"
+    "def _lacking(permissive):\n"
+    "    raise _sandbox.Unavailable('seccomp')\n"
+    "_sandbox.seccomp_program = _lacking"
+)
+
+
 @pytest.mark.parametrize("fallback", ["openai"])
+@pytest.mark.parametrize("ending", ["stopped", "unsupported"])
 async def test_a_secret_the_store_has_not_taken_yet_reaches_no_fallback(
-    jp_fetch, jp_serverapp, jp_root_dir, store_path, peer
+    jp_fetch, jp_serverapp, jp_root_dir, store_path, peer, ending
 ):
     """Another process holds the store's write lock while a cell binds a secret, and while a
-    cell printing it is previewed and stopped: the value's hash is not in the store yet, and
-    the fallback model still never sees the value (the kernel scrubs the cell it stopped)."""
+    cell printing it is previewed: the value's hash is not in the store yet, and the fallback
+    model still never sees the value, whatever the preview ended with (the kernel scrubs the
+    cell in every reply): stopped by the sandbox, or not run (a Linux without seccomp)."""
     secret = "hunter2-planted-preview-0002"
     kernel_id = await live_kernel(jp_fetch, jp_serverapp, jp_root_dir, store_path, "x = 1")
     holder = sqlite3.connect(store_path, timeout=0, isolation_level=None)
     try:
+        if ending == "unsupported":
+            await run_cell(jp_serverapp, kernel_id, NO_SECCOMP)
         holder.execute("BEGIN IMMEDIATE")
         await run_cell(jp_serverapp, kernel_id, f"api_key = {secret!r}")
         stopped = f"import socket\nsocket.create_connection(('10.1.2.3', 80))\nprint({secret!r})"
@@ -579,6 +592,9 @@ async def test_a_secret_the_store_has_not_taken_yet_reaches_no_fallback(
             assert store.secret_digest_count() == 0  # (still held: the server cannot know it)
         chunks = [d for n, d in events if n == "chunk"]
         assert chunks and chunks[0]["metadata"]["preview"]["fallback"] == "openai", events
+        assert chunks[0]["metadata"]["preview"]["status"] == (
+            "unsupported" if ending == "unsupported" else "ok"
+        )
         sent = json.dumps([r.body for r in peer.requests])
         assert "socket.create_connection" in sent and secret not in sent
     finally:

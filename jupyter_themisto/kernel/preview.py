@@ -901,8 +901,10 @@ def run_preview(
 
     The reply holds nbformat `outputs`, the side effects that `stopped` the preview (empty if
     none), each isolation layer's state, `status` ("ok", "unsupported", "failed",
-    "cancelled") and timings. Whatever the cell does, the kernel waits at most `timeout`
-    seconds, reads at most MAX_REPLY bytes, and kills the preview's namespace past `memory_mb`.
+    "cancelled"), timings, and `scrubbed_source` (the cell without the secrets the recorder
+    knows: what a fallback model may see; None without a recorder). Whatever the cell does,
+    the kernel waits at most `timeout` seconds, reads at most MAX_REPLY bytes, and kills the
+    preview's namespace past `memory_mb`.
     `cancel`: a token; a datagram sent to the abstract unix socket CANCEL_PREFIX + token while
     the preview runs kills its namespace at once (see `cancel_preview`). An interrupt of the
     kernel (SIGINT) does so too, and the kernel's death ends it (PR_SET_PDEATHSIG).
@@ -913,13 +915,25 @@ def run_preview(
         isinstance(cancel, str) and 0 < len(cancel) <= 64 and cancel.isascii() and cancel.isalnum()
     ):
         raise ValueError("cancel must be a token of at most 64 ASCII letters and digits")
-    if not sys.platform.startswith("linux"):
-        return _unsupported("preview unavailable: the preview needs Linux")
     from IPython import get_ipython
 
     shell = get_ipython()
     if shell is None:
         raise RuntimeError("run_preview runs inside an IPython kernel")
+    reply = _isolated(shell, source, timeout, memory_mb, cpu_seconds, cancel)
+    # What a fallback model may be sent instead, in every reply (whatever the server falls
+    # back on): the cell without the secret values this kernel knows, even those whose hashes
+    # have not reached the store yet (it was locked).
+    reply["scrubbed_source"] = _scrubbed(shell, source)
+    return reply
+
+
+def _isolated(
+    shell: Any, source: str, timeout: float, memory_mb: int, cpu_seconds: int, cancel: str | None
+) -> PreviewReply:
+    """`run_preview`'s reply, but the scrubbed source."""
+    if not sys.platform.startswith("linux"):
+        return _unsupported("preview unavailable: the preview needs Linux")
     try:  # built once per kernel, before the fork: the child only loads them
         programs = {p: sandbox.seccomp_program(p) for p in (False, True)}
     except sandbox.Unavailable as e:
@@ -943,10 +957,6 @@ def run_preview(
     finally:
         if listener is not None:
             listener.close()
-    if reply.get("status") != "ok" or reply.get("stopped"):
-        # What a fallback model may be sent instead: the cell without the secret values this
-        # kernel knows, even those whose hashes have not reached the store yet (it was locked).
-        reply["scrubbed_source"] = _scrubbed(shell, source)
     return reply
 
 
