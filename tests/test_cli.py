@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -681,6 +682,60 @@ def _one_line_error(r):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jupyter-themisto: error:"), r.stderr
     return lines[0]
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_force_replaces_an_earlier_export_and_nothing_else(recorded, dump, tmp_path):
+    """`export --force` names a folder to replace. It used to replace any folder, so `--out
+    ~/project --force` deleted the project; it replaces only an earlier export now, and a
+    folder holding anything else is refused before any work, every byte left as it was."""
+    store = recorded["store"]
+    mine = tmp_path / "project"
+    (mine / "data").mkdir(parents=True)
+    (mine / "analysis.ipynb").write_text("{}")
+    (mine / "data" / "raw.csv").write_text("a,b\n1,2\n")
+    earlier = tmp_path / "dump"
+    shutil.copytree(dump, earlier)
+    evaluated = tmp_path / "evaluated"
+    shutil.copytree(dump, evaluated)
+    (evaluated / "evaluation").mkdir()
+    (evaluated / "evaluation" / "summary.json").write_text('{"hours": 3}')
+    beside = tmp_path / "beside"
+    shutil.copytree(dump, beside)
+    (beside / "notes.md").write_text("mine")
+    broken = tmp_path / "broken"
+    shutil.copytree(dump, broken)
+    (broken / "dump.json").write_text("{not json")
+    crowded = tmp_path / "crowded"
+    shutil.copytree(dump, crowded)
+    for i in range(8):
+        (crowded / f"f{i}.txt").write_text(str(i))
+    cases = {
+        mine: "is not an earlier export (it has no readable dump.json)",
+        evaluated: "holds what an export did not write (evaluation)",
+        beside: "holds what an export did not write (notes.md)",
+        broken: "is not an earlier export",
+        crowded: "(f0.txt, f1.txt, f2.txt, f3.txt, f4.txt and 3 more)",
+    }
+    for folder, said in cases.items():
+        before = _contents(folder)
+        msg = _one_line_error(cli("export", "--out", str(folder), "--force", store=store))
+        assert said in msg and "--force replaces only" in msg, msg
+        assert _contents(folder) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # (no temporary left)
+    # An earlier export (Parquet shards, blobs) is replaced; so is an empty folder.
+    parquet = tmp_path / "parquet"
+    for args in (["--format", "parquet", "--snapshots", "full"], []):
+        r = cli("export", "--out", str(parquet), "--force", *args, store=store)
+        assert r.returncode == 0, r.stderr
+    assert (parquet / "executions.jsonl").exists() and not (parquet / "blobs").exists()
+    r = cli("export", "--out", str(earlier), "--force", store=store)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "empty").mkdir()
+    assert cli("export", "--out", str(tmp_path / "empty"), "--force", store=store).returncode == 0
 
 
 def test_bad_inputs(recorded, dump, tmp_path):

@@ -50,7 +50,12 @@ def add_parsers(sub: Any) -> None:
         help=f"Parquet: rows per shard (default {DEFAULT_SHARD_ROWS})",
     )
     p.add_argument("--secret-pattern", default=None, help="override the secrets policy's regex")
-    p.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier export in DIR (refused if DIR holds anything else, such as"
+        " evaluate's results: nothing of yours is deleted)",
+    )
     p.set_defaults(func=cmd_export)
 
 

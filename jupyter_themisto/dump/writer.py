@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import redaction
 from .._version import __version__
-from ..console import progress
+from ..console import CliError, progress
 from ..context import outputs_to_text
 from ..files import atomic_dir, write_json
 from ..kernel.outputs import as_sent
@@ -243,6 +243,32 @@ class _TableWriter:
             self._flush()
 
 
+def check_replaceable(out: Path) -> None:
+    """Raise CliError unless `out` may be replaced by a new export (`--force`): it is absent,
+    empty, or an earlier export holding nothing but what an export writes. A folder of the
+    person's files, or an export beside which `evaluate` wrote its results, is never deleted."""
+    if out.is_symlink() or not out.is_dir() or not any(out.iterdir()):
+        return  # (atomic_dir says what is wrong with a link or a file)
+    try:
+        manifest = json.loads((out / "dump.json").read_text(encoding="utf-8"))
+        written = {name for names in manifest["files"].values() for name in names}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise CliError(
+            f"{out} is not an earlier export (it has no readable dump.json): --force replaces"
+            " only an earlier export; name a new or empty folder"
+        ) from None
+    written |= {"dump.json", "schema.json", "README.md", "blobs"}
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in written)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
+        raise CliError(
+            f"{out} holds what an export did not write ({shown}): --force replaces only an"
+            " earlier export; move those, or name another folder"
+        )
+
+
 def export_dump(
     store: Any,
     trajectories: list[dict[str, Any]],
@@ -256,6 +282,8 @@ def export_dump(
 ) -> dict[str, Any]:
     """Write the dump folder; returns its manifest."""
     total = sum(t["n_executions"] for t in trajectories)
+    if force:
+        check_replaceable(out)
     redactor = redaction.StoreRedactor(store, pattern)
     redactor.refresh()
     with atomic_dir(out, force=force) as tmp:
