@@ -738,6 +738,26 @@ def test_force_replaces_an_earlier_export_and_nothing_else(recorded, dump, tmp_p
     assert cli("export", "--out", str(tmp_path / "empty"), "--force", store=store).returncode == 0
 
 
+def test_evaluate_replaces_no_report_it_did_not_write(dump, tmp_path):
+    """`evaluate --out DIR` rewrites summary.json, results.md and results.png from the runs in
+    DIR: a folder holding files of those names and no run (the person's own results.md) is
+    refused before any work, unchanged; once it holds a run, the reports are evaluate's."""
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "results.md").write_text("# my thesis results\n")
+    (mine / "summary.json").write_text('{"mine": true}')
+    before = _contents(mine)
+    args = ["evaluate", str(dump), "--backend", "repeat-previous", "--task", "next-cell"]
+    msg = _one_line_error(cli(*args, "--out", str(mine)))
+    assert "holds summary.json, results.md and no evaluation run" in msg, msg
+    assert _contents(mine) == before
+    out = tmp_path / "eval"
+    assert cli(*args, "--out", str(out)).returncode == 0
+    r = cli(*args, "--without-runtime", "--out", str(out))  # (reports of its own: rewritten)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads((out / "summary.json").read_text())["runs"]) == 2
+
+
 def test_bad_inputs(recorded, dump, tmp_path):
     store = recorded["store"]
     missing = tmp_path / "missing.ipynb"

@@ -10,7 +10,8 @@ backend × with/without runtime × setting):
 and flushed as each one finishes, so an interrupted run resumes where it stopped (examples
 already scored are skipped; failed ones are retried). After each
 run it rewrites, from all the runs in DIR, `summary.json`, `results.md` (a Markdown table)
-and `results.png` (each metric per run, with and without runtime side by side). Runs of one
+and `results.png` (each metric per run, with and without runtime side by side); a DIR that
+holds files of those names and no run is refused, since they would be replaced. Runs of one
 task and setting are also compared example by example (`compare_runs`): with runtime
 information against without, each backend against the baselines, and a `--warm` run against
 the same run unwarmed (an `--ahead` run against the same run only warmed), with a bootstrap
@@ -396,6 +397,23 @@ def summarize_run(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
+#: the files `write_reports` rewrites from all the runs of its folder
+REPORTS = ("summary.json", "results.md", "results.png")
+
+
+def check_results_dir(out_dir: Path) -> None:
+    """Raise CliError when `out_dir` holds report files (`REPORTS`) and no run: files of the
+    same names that no evaluation wrote, which the reports would replace."""
+    if not out_dir.is_dir() or any(out_dir.glob("*__*__*.jsonl")):
+        return
+    mine = [name for name in REPORTS if (out_dir / name).exists()]
+    if mine:
+        raise CliError(
+            f"{out_dir} holds {', '.join(mine)} and no evaluation run: the results would"
+            " replace them; name another folder (--out)"
+        )
+
+
 def write_reports(out_dir: Path) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     scores: dict[str, dict[str, dict[str, float]]] = {}
@@ -407,12 +425,13 @@ def write_reports(out_dir: Path) -> dict[str, Any]:
             scores[path.stem] = {k: r["scores"] for k, r in rows.items() if "scores" in r}
     comparisons = compare_runs(runs, scores)
     summary = {"generated_at": time.time(), "runs": runs, "comparisons": comparisons}
-    write_json(out_dir / "summary.json", summary)
-    with atomic_file(out_dir / "results.md") as f:
+    summary_json, results_md, results_png = (out_dir / name for name in REPORTS)
+    write_json(summary_json, summary)
+    with atomic_file(results_md) as f:
         f.write(markdown_table(runs))
         if comparisons:
             f.write("\n" + comparison_table(comparisons))
-    plot(runs, out_dir / "results.png")
+    plot(runs, results_png)
     return summary
 
 
@@ -585,6 +604,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.leave_one_out and args.train:
         raise CliError("--leave-one-out uses the evaluated dump as history: no --train with it")
     out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"
+    check_results_dir(out_dir)
     with _history_dir() as tmp:
         store = None
         if args.train:
