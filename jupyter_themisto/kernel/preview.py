@@ -931,7 +931,7 @@ def run_preview(
 def _isolated(
     shell: Any, source: str, timeout: float, memory_mb: int, cpu_seconds: int, cancel: str | None
 ) -> PreviewReply:
-    """`run_preview`'s reply, but the scrubbed source."""
+    """`run_preview`'s reply, all but its `scrubbed_source`."""
     if not sys.platform.startswith("linux"):
         return _unsupported("preview unavailable: the preview needs Linux")
     try:  # built once per kernel, before the fork: the child only loads them
