@@ -767,6 +767,13 @@ def test_bad_inputs(recorded, dump, tmp_path):
     assert "not a Jupyter notebook" in _one_line_error(cli("record", str(text), store=store))
     msg = _one_line_error(cli("record", str(recorded["second"]), "--kernel", "nope", store=store))
     assert "unknown kernel 'nope'" in msg
+    # A --store that is some other file is said before any kernel starts (one line: no
+    # kernel's warnings, no progress bar), and left as it was.
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b\n1,2\n")
+    msg = _one_line_error(cli("record", str(recorded["second"]), store=csv))
+    assert f"cannot read the trajectory store {csv}: file is not a database" in msg, msg
+    assert csv.read_text() == "a,b\n1,2\n" and sorted(tmp_path.iterdir()) == [csv, text]
     out = tmp_path / "out"
     msg = _one_line_error(cli("export", "--out", str(out), "--format", "csv", store=store))
     assert "unknown format" in msg

@@ -29,7 +29,7 @@ from ..kernel_client import (
     expression_value,
     silent_execute,
 )
-from ._common import store_path
+from ._common import open_store, store_path
 
 # Silent executes fire no pre/post_run_cell, so none of this is recorded; the expressions bind
 # no names, so nothing of ours shows up in the person's namespace or its snapshots.
@@ -341,6 +341,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             known = ", ".join(sorted(ksm.find_kernel_specs())) or "none"
             raise CliError(f"unknown kernel {args.kernel!r}; installed kernels: {known}") from None
     store = store_path(args)
+    if store.exists():  # (a file that is no store is said before any notebook runs)
+        open_store(args).close()
     failed = 0
     for p in paths:
         result = record_notebook(
