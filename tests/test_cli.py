@@ -751,6 +751,13 @@ def test_evaluate_replaces_no_report_it_did_not_write(dump, tmp_path):
     msg = _one_line_error(cli(*args, "--out", str(mine)))
     assert "holds summary.json, results.md and no evaluation run" in msg, msg
     assert _contents(mine) == before
+    # A file, or a path through one, is said as such (it was a traceback), and left as it was.
+    paper = mine / "results.md"
+    msg = _one_line_error(cli(*args, "--out", str(paper)))
+    assert "results.md exists and is not a folder" in msg, msg
+    msg = _one_line_error(cli(*args, "--out", str(paper / "runs")))
+    assert "cannot make the results folder" in msg and "Not a directory" in msg, msg
+    assert _contents(mine) == before
     out = tmp_path / "eval"
     assert cli(*args, "--out", str(out)).returncode == 0
     r = cli(*args, "--without-runtime", "--out", str(out))  # (reports of its own: rewritten)

@@ -403,7 +403,9 @@ REPORTS = ("summary.json", "results.md", "results.png")
 
 def check_results_dir(out_dir: Path) -> None:
     """Raise CliError when `out_dir` holds report files (`REPORTS`) and no run: files of the
-    same names that no evaluation wrote, which the reports would replace."""
+    same names that no evaluation wrote, which the reports would replace; or when it is a file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CliError(f"{out_dir} exists and is not a folder (--out names the results folder)")
     if not out_dir.is_dir() or any(out_dir.glob("*__*__*.jsonl")):
         return
     mine = [name for name in REPORTS if (out_dir / name).exists()]
@@ -627,7 +629,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         backend = make_backend()
         if args.task not in getattr(backend, "tasks", TASKS):
             raise CliError(f"backend {args.backend!r} does not predict {args.task}")
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"cannot make the results folder {out_dir}: {e.strerror}") from None
         name = run_name(args.task, args.backend, args.with_runtime, args.setting, warm, args.ahead)
         out_file = out_dir / f"{name}.jsonl"
         done = {k for k, r in _open_results(out_file).items() if "error" not in r}
