@@ -786,6 +786,9 @@ def test_bad_inputs(recorded, dump, tmp_path):
     assert "unknown format" in msg
     msg = _one_line_error(cli("export", "--out", str(out), "--snapshots", "all", store=store))
     assert "--snapshots" in msg
+    # (0 rows a shard made one file per row: 16,061 files for the corpus)
+    msg = _one_line_error(cli("export", "--out", str(out), "--shard-rows", "0", store=store))
+    assert "--shard-rows must be at least 1 (got 0)" in msg
     msg = _one_line_error(cli("export", "--out", str(out), "--trajectory", "nope", store=store))
     assert "unknown trajectory" in msg
     assert "unknown trajectory" in _one_line_error(cli("show", "nope", store=store))
@@ -825,6 +828,11 @@ def test_bad_inputs(recorded, dump, tmp_path):
     assert "unknown backend" in msg and not results.exists()
     msg = _one_line_error(cli("evaluate", str(dump), "--backend", "retrieval", "--task", "x"))
     assert "unknown task" in msg
+    # (a limit below 1 evaluated nothing and said "results in …")
+    for flag, value in (("--limit", "0"), ("--limit", "-1"), ("--concurrency", "0")):
+        evaluate = ["evaluate", str(dump), "--backend", "retrieval", "--task", "output"]
+        msg = _one_line_error(cli(*evaluate, flag, value, "--out", str(results)))
+        assert f"{flag} must be at least 1" in msg and not results.exists(), msg
     msg = _one_line_error(
         cli("evaluate", str(tmp_path), "--backend", "retrieval", "--task", "output")
     )

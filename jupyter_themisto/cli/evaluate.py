@@ -578,6 +578,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise CliError(f"unknown task {args.task!r}: expected next-cell or output")
     if args.concurrency < 1:
         raise CliError("--concurrency must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"--limit must be at least 1 (got {args.limit})")
     if (args.warm or args.ahead is not None) and args.task != "next-cell":
         raise CliError("--warm is for next-cell suggestions (output predictions are not warmed)")
     if args.ahead is not None and not 0 <= args.ahead < math.inf:
@@ -602,7 +604,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     # Each notebook's instances in the order they ran (a model's prompt cache serves them).
     instances.sort(key=lambda i: (i["trajectory_id"], i["order_index"]))
     if args.limit is not None:
-        instances = instances[: max(0, args.limit)]
+        instances = instances[: args.limit]
     if args.leave_one_out and args.train:
         raise CliError("--leave-one-out uses the evaluated dump as history: no --train with it")
     out_dir = Path(args.out).expanduser() if args.out else dump / "evaluation"

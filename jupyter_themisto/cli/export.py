@@ -66,6 +66,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise CliError(
             f"unknown --snapshots {args.snapshots!r}: expected one of {', '.join(SNAPSHOT_MODES)}"
         )
+    if args.shard_rows < 1:
+        raise CliError(f"--shard-rows must be at least 1 (got {args.shard_rows})")
     if args.secret_pattern is not None:
         try:
             redaction.compile_pattern(args.secret_pattern)
