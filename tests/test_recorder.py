@@ -510,6 +510,82 @@ def test_a_secret_learnt_while_the_store_is_locked_reaches_the_store_once_it_is_
         k.shutdown()
 
 
+RECORDER = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
+
+
+@pytest.mark.parametrize("bound", ["64 MB", "1 byte"])
+def test_a_snapshot_taken_while_the_store_is_locked_is_written_once_it_is_free(tmp_path, bound):
+    """The execution's row is written, then another process holds the store's write lock past
+    `store_busy_seconds` as the kernel snapshots the namespace itself: the snapshot waits in
+    the kernel and is written once the lock is freed, without a later cell (it was dropped
+    with a warning, its status `pending` for good, and the next snapshot reused its records).
+    Past the bound on what waits, its variables are given up and it is noted `failed`; the
+    next snapshot then holds every variable again."""
+    path = tmp_path / "locked.sqlite"
+    k = RecordingKernel(
+        path,
+        [
+            "--ThemistoRecorder.store_busy_seconds=0.3",
+            "--ThemistoRecorder.snapshot_delay=600",
+            "--ThemistoRecorder.snapshot_max_deferral=600",
+        ],
+    )
+    holder = None
+    try:
+        if bound == "1 byte":
+            assert k.value(f"setattr({RECORDER}.writer, 'max_kept_bytes', 1)") is None
+        k.run("a = 1")
+        k.settle()
+        done = k.run("b = [1, 2, 3]")
+        deadline = time.monotonic() + 30
+        while True:  # its row, written just after the reply (the snapshot is 600 s away)
+            with TrajectoryStore(path, readonly=True) as store:
+                row = store._conn().execute(
+                    "SELECT snapshot_status FROM executions WHERE msg_id = ?", (done.msg_id,)
+                )
+                found = row.fetchone()
+            if found is not None:
+                break
+            assert time.monotonic() < deadline, "the row was never written"
+            time.sleep(0.05)
+        assert found["snapshot_status"] == "pending"
+        holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        k.settle()  # the snapshot is taken now; the writer gives up on the lock after 0.3 s
+        waiting = k.value(f"{RECORDER}.status()['writes_waiting']")
+        given_up = k.value(f"{RECORDER}.status()['writes_given_up']")
+        assert (waiting, given_up) == ((1, 0) if bound == "64 MB" else (1, 1))
+        with TrajectoryStore(path, readonly=True) as store:
+            (traj,) = store.list_trajectories()
+            assert store.list_executions(traj["id"])[1]["snapshot_status"] == "pending"
+        holder.execute("ROLLBACK")
+        holder.close()
+        holder = None
+        deadline = time.monotonic() + 30  # (tried again every 5 s while idle)
+        while k.value(f"{RECORDER}.status()['writes_waiting']"):
+            assert time.monotonic() < deadline, "the snapshot still waits after the lock"
+            time.sleep(0.2)
+        rows = k.executions()
+        assert [r["status"] for r in rows] == ["ok", "ok"]
+        with TrajectoryStore(path, readonly=True) as store:
+            snapshot = store.get_snapshot(rows[1]["id"])
+            names = {v["name"] for v in store.get_variables(rows[1]["id"])}
+        if bound == "64 MB":
+            assert (rows[1]["snapshot_status"], snapshot["status"]) == ("ok", "ok")
+            assert names == {"a", "b"}
+        else:
+            assert rows[1]["snapshot_status"] == "failed" and names == set()
+            assert "stayed locked" in snapshot["detail"]
+        # The next snapshot holds every variable (none reused from one never written).
+        after = k.run("c = 3")
+        assert set(k.variables(after.msg_id)) == {"a", "b", "c"}
+        assert k.variables(after.msg_id)["b"]["summary"]["repr"] == "[1, 2, 3]"
+    finally:
+        if holder is not None:
+            holder.close()
+        k.shutdown()
+
+
 def test_a_relative_store_stays_where_it_was_when_a_cell_changes_directory(tmp_path, monkeypatch):
     (tmp_path / "work").mkdir()
     (tmp_path / "elsewhere").mkdir()
@@ -818,6 +894,56 @@ def test_a_job_kept_for_a_locked_store_runs_before_the_rows_after_it(tmp_path):
     with TrajectoryStore(path, readonly=True) as store:
         assert [r["status"] for r in store.list_executions("t1")] == ["lost"]
         assert store.secret_digest_count() == 1
+
+
+def test_jobs_kept_for_a_locked_store_run_in_order_within_their_bound(tmp_path):
+    """Jobs kept for a locked store run in the order they were handed over, before a job
+    handed over later; past `max_kept_bytes` the oldest job holding data gives its place to
+    its stand-in, one without a stand-in is dropped, and jobs holding nothing stay."""
+    from jupyter_themisto.kernel.writer import RecordWriter
+
+    path = tmp_path / "t.sqlite"
+    errors: list[Any] = []
+    writer = RecordWriter(
+        lambda timeout: TrajectoryStore(path, timeout=timeout),
+        report=lambda what, e: errors.append(f"{what}: {e}"),
+        locked_retry_seconds=0.2,
+        retry_seconds=0.2,
+        max_kept_bytes=250,
+    )
+    ran: list[str] = []
+
+    def job(name: str) -> Any:
+        def run(store: Any) -> None:
+            store.note_recording("t1", paused=False)  # a write: it needs the lock
+            ran.append(name)
+
+        return run
+
+    holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+        writer.create_trajectory("t1", lambda: {})
+        assert writer.wait_idle(30)
+        holder.execute("BEGIN IMMEDIATE")
+        writer.submit(job("big 1"), retried=True, size=100, instead=job("instead of big 1"))
+        writer.submit(job("status 1"), retried=True)
+        writer.submit(job("big 2"), retried=True, size=100)
+        writer.submit(job("big 3"), retried=True, size=100, instead=job("instead of big 3"))
+        writer.submit(job("big 4"), retried=True, size=100)
+        assert writer.wait_idle(30)
+        assert ran == [] and writer.waiting() == 4
+        assert (writer.kept_replaced, writer.kept_dropped) == (1, 1)
+        assert any("given up" in e and "250 bytes" in e for e in errors), errors
+        holder.execute("ROLLBACK")
+        writer.submit(job("after"), retried=True)
+        deadline = time.monotonic() + 30
+        while writer.waiting() or "after" not in ran:
+            assert time.monotonic() < deadline, "nothing written after the lock was freed"
+            time.sleep(0.05)
+    finally:
+        holder.close()
+        writer.close()
+    assert ran == ["instead of big 1", "status 1", "big 3", "big 4", "after"]
 
 
 def test_wait_idle_returns_only_once_everything_handed_over_is_done(tmp_path):

@@ -167,7 +167,10 @@ class ThemistoRecorder(LoggingConfigurable):
         # replies with `execution_count - 1` likewise.
         following = getattr(getattr(self, "shell", None), "execution_count", None)
         count = following - 1 if isinstance(following, int) else None
-        writer.submit(lambda store: store.note_recording(tid, paused=paused, execution_count=count))
+        writer.submit(
+            lambda store: store.note_recording(tid, paused=paused, execution_count=count),
+            retried=True,
+        )
 
     @default("snapshot_mode")
     def _snapshot_mode_default(self) -> str:
@@ -627,6 +630,10 @@ class ThemistoRecorder(LoggingConfigurable):
             "snapshots": dict(sorted(self.snapshots.counts.items())),
             "snapshot_children": self.snapshots.running(),
             "lost_waiting": len(self.writer.lost) if self.writer is not None else 0,
+            "writes_waiting": self.writer.waiting() if self.writer is not None else 0,
+            "writes_given_up": self.writer.kept_replaced + self.writer.kept_dropped
+            if self.writer is not None
+            else 0,
             "errors": self.errors,
             "last_error": self.last_error or (self.writer.last_error if self.writer else None),
             "last_overhead_ms": round(self.hook_seconds[-1] * 1000, 3)

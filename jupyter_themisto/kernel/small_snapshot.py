@@ -21,6 +21,14 @@ from .variables import remembered
 if TYPE_CHECKING:
     from .snapshot_manager import SnapshotManager
 
+# About what one variable's record holds (name, type, summary), to bound what waits for a store.
+_RECORD_BYTES = 512
+#: A snapshot's note when the writer gave its variables up (RecordWriter._keep).
+GIVEN_UP = (
+    "its variables were not written: the store stayed locked while more writes waited for it"
+    " than the kernel keeps"
+)
+
 
 class SmallSnapshots:
     """The manager's in-kernel snapshots, and what it keeps of the last one it took."""
@@ -120,16 +128,22 @@ class SmallSnapshots:
         duration = time.perf_counter() - started
 
         def job(store: Any) -> None:
-            # Idempotent: the writer thread runs it again if it failed here.
+            # Idempotent: the writer thread runs it again if it failed here (kept while the
+            # store is locked). The next one reuses these records only once they are written.
             for digest, data in blobs.items():
                 store.put_blob(data, digest)
             if store.get_snapshot(execution_id) is None:
                 store.write_snapshot(
                     execution_id, records, status=status, mode="inline", duration=duration
                 )
+            self.kept = (order, {rec["name"]: rec for rec in records})
 
-        r.writer.submit(job)
-        self.kept = (order, {rec["name"]: rec for rec in records})
+        def instead(store: Any) -> None:
+            if store.get_snapshot(execution_id) is None:
+                store.write_snapshot(execution_id, [], status="failed", detail=GIVEN_UP)
+
+        size = sum(len(data) for data in blobs.values()) + _RECORD_BYTES * len(records)
+        r.writer.submit(job, retried=True, size=size, instead=instead)
         m.count("small")
         self.seconds.append(time.perf_counter() - started)
         return True

@@ -131,7 +131,9 @@ class SnapshotManager:
         tid = r.trajectory_id
         if not orders or tid is None or r.writer is None:
             return
-        r.writer.submit(lambda store: store.mark_pending_snapshots(tid, orders, "coalesced"))
+        r.writer.submit(
+            lambda store: store.mark_pending_snapshots(tid, orders, "coalesced"), retried=True
+        )
 
     def _cancel_timer(self) -> None:
         timer, self._timer = self._timer, None
@@ -315,7 +317,7 @@ class SnapshotManager:
                 same_as=holder,
             )
 
-        r.writer.submit(job)
+        r.writer.submit(job, retried=True)
 
     # -- watching the children ---------------------------------------------------------------
 

@@ -15,8 +15,12 @@ database locked past `locked_retry_seconds` — is kept in memory (at most `max_
 its outputs) and written as an execution with status `lost`, its `detail` saying why, at its
 own place in the order, as soon as the store takes writes again (tried before every later
 write and every `retry_seconds` while idle). A job submitted with `retried=True` (the keyed
-hashes of secrets the kernel learnt) is tried again the same way when the store stays locked,
-before those rows and any row after it (so whoever reads a row knows the secrets before it).
+hashes of secrets the kernel learnt, snapshots and their statuses) is kept and tried again the
+same way when the store stays locked, in order, before those rows and anything after it (so
+whoever reads a row knows the secrets before it, and a snapshot noted the same as an earlier one
+finds that one written). What the kept jobs hold is bounded (`max_kept_bytes`, 64 MB): past it
+the oldest ones give their place to what they name as their stand-in (a snapshot's: a `failed`
+note saying why), or are dropped and counted.
 A trajectory that could not be created as the kernel started (the store could not be opened,
 or was locked past `locked_retry_seconds`) is retried the same way, so it exists before the
 person's first cell runs.
@@ -42,6 +46,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -49,6 +54,8 @@ from typing import Any
 # long a locked store is retried before an execution counts as lost.
 _BUSY_TIMEOUT = 0.05
 _MAX_SOURCE_KEPT = 100_000
+_MAX_KEPT_BYTES = 64 * 1024 * 1024
+_MAX_KEPT_JOBS = 100_000
 
 
 class _Stop:
@@ -71,6 +78,16 @@ class _Salvaged(Exception):
         return "what this kernel wrote to it was saved into the store; recording goes on"
 
 
+@dataclass
+class _Kept:
+    """A `retried` job the store took no write for: `size` bytes it holds (its data), and a
+    small job to keep in its place when the kept ones outgrow their bound (or None)."""
+
+    job: Callable[[Any], Any]
+    size: int = 0
+    instead: Callable[[Any], Any] | None = None
+
+
 class RecordWriter:
     """A daemon thread that owns the recorder's writes (see module doc)."""
 
@@ -82,6 +99,7 @@ class RecordWriter:
         locked_retry_seconds: float = 10.0,
         retry_seconds: float = 5.0,
         max_lost: int = 10_000,
+        max_kept_bytes: int = _MAX_KEPT_BYTES,
         on_open: Callable[[Any], None] | None = None,
     ) -> None:
         self._open_store = open_store
@@ -96,8 +114,14 @@ class RecordWriter:
         # Executions not written yet, in order: (trajectory_id, order_index, record, reason).
         self.lost: deque[tuple[str, int, dict[str, Any], str]] = deque(maxlen=max_lost)
         self.lost_dropped = 0
-        # Jobs submitted with retried=True that found the store locked: tried again, in order.
-        self._retried: deque[Callable[[Any], Any]] = deque(maxlen=1_000)
+        # Jobs submitted with retried=True that found the store locked: tried again, in order,
+        # holding at most max_kept_bytes (see _keep).
+        self._retried: deque[_Kept] = deque()
+        self._kept_bytes = 0
+        self.max_kept_bytes = max_kept_bytes
+        #: kept jobs given up (the bound): replaced by their stand-in, or dropped without one
+        self.kept_replaced = 0
+        self.kept_dropped = 0
         # Trajectories to create before anything of theirs is written (their fields are read
         # on this thread: package versions and host facts take a moment).
         self._trajectories: dict[str, Callable[[], dict[str, Any]]] = {}
@@ -145,10 +169,19 @@ class RecordWriter:
             self._direct_threads.add(threading.get_ident())
         return self.store
 
-    def submit(self, job: Callable[[Any], Any], *, retried: bool = False) -> None:
+    def submit(
+        self,
+        job: Callable[[Any], Any],
+        *,
+        retried: bool = False,
+        size: int = 0,
+        instead: Callable[[Any], Any] | None = None,
+    ) -> None:
         """Run `job(store)` after everything submitted before it (here if nothing waits).
         `retried`: a job that finds the store locked past `locked_retry_seconds` is kept and
-        tried again while idle, like a lost execution (else it is reported and dropped)."""
+        tried again while idle, like a lost execution (else it is reported and dropped);
+        `size`: about how many bytes it holds; `instead`: a small job kept in its place if the
+        kept jobs outgrow `max_kept_bytes` (see `_keep`)."""
         store = self._direct()
         if store is not None:
             try:
@@ -156,7 +189,10 @@ class RecordWriter:
                 return
             except Exception:
                 pass  # the thread tries again (jobs are idempotent)
-        self._enqueue(("retried" if retried else "call", job))
+        if retried:
+            self._enqueue(("retried", _Kept(job, size, instead)))
+        else:
+            self._enqueue(("call", job))
 
     def create_trajectory(self, trajectory_id: str, fields: Callable[[], dict[str, Any]]) -> None:
         self._trajectories[trajectory_id] = fields
@@ -204,6 +240,10 @@ class RecordWriter:
         self._queue.put(("stop", _Stop()))
         self._thread.join(timeout)
 
+    def waiting(self) -> int:
+        """How many kept writes wait for the store (see `submit`'s `retried`)."""
+        return len(self._retried)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -227,8 +267,10 @@ class RecordWriter:
                     self._store()
                 elif kind == "execution":
                     self._execution(*payload)
+                elif kind == "retried":
+                    self._call(payload.job, kept=payload)
                 else:
-                    self._call(payload, retried=kind == "retried")
+                    self._call(payload, kept=None)
             except BaseException as e:  # noqa: B036 - the thread must go on
                 self.failures += 1
                 self._report("a recorder write failed", e)
@@ -238,19 +280,59 @@ class RecordWriter:
                     if self._unfinished == 0:
                         self._idle.set()
 
-    def _call(self, job: Callable[[Any], Any], *, retried: bool) -> None:
+    def _call(self, job: Callable[[Any], Any], *, kept: _Kept | None) -> None:
+        """Run a submitted job; `kept`: it is kept if the store takes no write (retried)."""
         store = self._unchanged_store()
-        if store is None:
-            if retried:
-                self._retried.append(job)
+        if kept is None:
+            if store is not None:
+                self._locked(partial(job, store))
+            return
+        if store is not None and (self.lost or self._retried):
+            self._retry_lost()  # (what was handed over before it, first)
+        if store is None or self.lost or self._retried:
+            self._keep(kept)  # (the store still takes no writes: no second wait for it)
             return
         try:
             self._locked(partial(job, store))
         except sqlite3.OperationalError as e:
-            if not (retried and is_locked(e)):
+            if not is_locked(e):
                 raise
             self.last_error = f"a write waited past the lock: {_describe(e)}"
-            self._retried.append(job)
+            self._keep(kept)
+
+    def _keep(self, kept: _Kept) -> None:
+        """Keep a job to try again. Past `max_kept_bytes`, the oldest jobs holding data give
+        their place to their stand-in (or are dropped); past _MAX_KEPT_JOBS, the oldest go."""
+        self._retried.append(kept)
+        self._kept_bytes += kept.size
+        given_up = 0
+        i = 0
+        while self._kept_bytes > self.max_kept_bytes and i < len(self._retried):
+            old = self._retried[i]
+            if old.size:
+                self._kept_bytes -= old.size
+                given_up += 1
+                if old.instead is not None:
+                    self._retried[i] = _Kept(old.instead)
+                    self.kept_replaced += 1
+                else:
+                    del self._retried[i]
+                    self.kept_dropped += 1
+                    continue
+            i += 1
+        while len(self._retried) > _MAX_KEPT_JOBS:
+            self._kept_bytes -= self._retried.popleft().size
+            given_up += 1
+            self.kept_dropped += 1
+        if given_up:
+            self._report(
+                "writes kept for a locked store were given up",
+                _Unwritable(
+                    f"{given_up} of them, the oldest (more than {self.max_kept_bytes:,} bytes"
+                    f" or {_MAX_KEPT_JOBS:,} writes waiting); a snapshot given up is noted"
+                    " `failed`"
+                ),
+            )
 
     def _store(self) -> Any:
         """The open store with every pending trajectory created, or None."""
@@ -383,12 +465,12 @@ class RecordWriter:
         store = self._store()
         while store is not None and self._retried:
             try:
-                self._locked(partial(self._retried[0], store))
+                self._locked(partial(self._retried[0].job, store))
             except Exception as e:
                 if is_locked(e):
                     return
                 self._report("a recorder write failed", e)
-            self._retried.popleft()
+            self._kept_bytes -= self._retried.popleft().size
         while store is not None and self.lost:
             trajectory_id, order_index, record, reason = self.lost[0]
             row = dict(record)
