@@ -145,6 +145,32 @@ def test_record_stops_at_an_error_without_allow_errors(tmp_path):
     ]
 
 
+def test_record_exits_1_when_an_execution_could_not_be_recorded(tmp_path):
+    """A notebook whose executions the store could not take (here its own cell holds the
+    store's write lock past the recorder's wait) is recorded with `lost` rows: `record` says
+    so on stderr and exits 1, so a script does not take the recording for a whole one; the
+    notebook after it is still recorded, and says nothing."""
+    lock = (
+        "import os, sqlite3\n"
+        "from jupyter_themisto.kernel import get_recorder\n"
+        "get_recorder().writer.locked_retry_seconds = 0.2\n"
+        "held = sqlite3.connect(os.environ['THEMISTO_STORE'], timeout=0, isolation_level=None)\n"
+        "held.execute('BEGIN IMMEDIATE')"
+    )
+    locked = write_notebook(tmp_path / "locked.ipynb", [lock, "x = 1", "held.execute('ROLLBACK')"])
+    fine = write_notebook(tmp_path / "fine.ipynb", ["y = 2"])
+    store_path = tmp_path / "s.sqlite"
+    r = cli("record", str(locked), str(fine), store=store_path)
+    assert r.returncode == 1, r.stderr
+    assert "3 cells recorded (2 of them lost" in r.stderr, r.stderr
+    assert "fine.ipynb: trajectory" in r.stdout and "fine.ipynb: trajectory" not in r.stderr
+    with TrajectoryStore(store_path, readonly=True) as store:
+        by_name = {Path(t["notebook_path"]).name: t["id"] for t in store.list_trajectories()}
+        statuses = [e["status"] for e in store.list_executions(by_name["locked.ipynb"])]
+        assert statuses == ["lost", "lost", "ok"]
+        assert [e["status"] for e in store.list_executions(by_name["fine.ipynb"])] == ["ok"]
+
+
 def test_record_runs_each_notebook_in_its_own_folder(tmp_path):
     """Notebooks read the data files beside them by relative path: each runs with its own
     folder as the working directory, wherever `record` is started and however it is named."""

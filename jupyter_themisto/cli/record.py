@@ -364,6 +364,9 @@ def cmd_record(args: argparse.Namespace) -> int:
         if result["error"]:
             failed += 1
             print(f"{line}; stopped: {result['error']}", file=sys.stderr)
+        elif result["lost"]:
+            failed += 1  # (the recording is not whole: a script must not take it for one)
+            print(line, file=sys.stderr)
         else:
             print(line)
         if result["stopped"] == signal.SIGTERM:
