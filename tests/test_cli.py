@@ -171,6 +171,24 @@ def test_record_exits_1_when_an_execution_could_not_be_recorded(tmp_path):
         assert [e["status"] for e in store.list_executions(by_name["fine.ipynb"])] == ["ok"]
 
 
+def test_record_talks_to_its_kernel_over_an_encrypted_connection(tmp_path):
+    """The kernel's messages carry the person's code, outputs and secrets: `record` has the
+    kernel's sockets use CurveZMQ (ipykernel's kernelspec supports it), so the kernel does not
+    warn of plain TCP in the middle of the progress bar."""
+    cell = (
+        "from ipykernel.kernelapp import IPKernelApp\n"
+        "print(IPKernelApp.instance().curve_secretkey is not None)"
+    )
+    nb = write_notebook(tmp_path / "n.ipynb", [cell])
+    r = cli("record", str(nb), store=tmp_path / "s.sqlite")
+    assert r.returncode == 0, r.stderr
+    assert "without encryption" not in r.stderr, r.stderr
+    with TrajectoryStore(tmp_path / "s.sqlite", readonly=True) as store:
+        (t,) = store.list_trajectories()
+        (e,) = store.list_executions(t["id"])
+    assert [o.get("text") for o in e["outputs"]] == ["True\n"]
+
+
 def test_record_runs_each_notebook_in_its_own_folder(tmp_path):
     """Notebooks read the data files beside them by relative path: each runs with its own
     folder as the working directory, wherever `record` is started and however it is named."""

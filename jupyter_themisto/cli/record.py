@@ -161,10 +161,12 @@ def record_notebook(
     snapshot_mode: str,
 ) -> dict[str, Any]:
     """Run one notebook with the recorder; returns {"trajectory_id", "cells", "error"}."""
+    import zmq
     from jupyter_client.kernelspec import NoSuchKernel
     from jupyter_core.utils import ensure_async
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from traitlets.config import Config
 
     nb = _read(path)
     kwargs: dict[str, Any] = {"timeout": timeout, "allow_errors": allow_errors}
@@ -173,7 +175,13 @@ def record_notebook(
     # The kernel runs in the notebook's own folder, as Jupyter runs it, so relative paths to
     # the data files beside a notebook work wherever `record` was started from.
     folder = str(path.resolve().parent)
-    client = NotebookClient(nb, resources={"metadata": {"path": folder}}, **kwargs)
+    # The kernel's messages carry the person's code, outputs and secrets: encrypted (CurveZMQ)
+    # when its kernelspec supports it, as ipykernel's does (else it warns of plain TCP), and
+    # this pyzmq can (else jupyter_client refuses the setting).
+    config = Config()
+    if zmq.has("curve"):
+        config.KernelManager.transport_encryption = "auto"
+    client = NotebookClient(nb, resources={"metadata": {"path": folder}}, config=config, **kwargs)
     env = dict(os.environ)
     env["THEMISTO_STORE"] = str(store)
     env["THEMISTO_NOTEBOOK_PATH"] = str(path.resolve())
