@@ -34,7 +34,7 @@ import re
 import secrets as _random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import fields, is_dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -929,7 +929,8 @@ class StoreRedactor:
         self.matcher: DigestMatcher | None = None
         # (how many hashes, in which store file) when the matcher was made
         self._seen: tuple[int, int | None] = (-1, None)
-        self._cache: dict[str, str] = {}
+        # text -> (scrubbed, the values of the secret literals in it)
+        self._cache: dict[str, tuple[str, tuple[str, ...]]] = {}
         # Whether a summary holds a secret, by what identifies its value (blob, fingerprint):
         # an unchanged variable recurs in every snapshot of a trajectory.
         self._verdicts: dict[tuple[Any, ...], bool] = {}
@@ -949,20 +950,25 @@ class StoreRedactor:
         self._cache.clear()
         self._verdicts.clear()
 
-    def scrub_text(self, text: str) -> str:
+    def scrub_text(self, text: str, found: list[str] | None = None) -> str:
+        """`text` scrubbed; the values of literals bound to secret names in it are appended to
+        `found`."""
         if not text:
             return text
         cached = self._cache.get(text)
-        if cached is not None:
-            return cached
-        out = redact_tokens(redact_literals(text, self.pattern))
-        if self.matcher:
-            out = self.matcher.scrub(out)
-        if len(text) <= 4096:  # short texts recur (sources, small outputs): at most ~16 MB
-            if len(self._cache) >= 4096:
-                self._cache.clear()
-            self._cache[text] = out
-        return out
+        if cached is None:
+            values: list[str] = []
+            out = redact_tokens(redact_literals(text, self.pattern, values))
+            if self.matcher:
+                out = self.matcher.scrub(out)
+            cached = (out, tuple(values))
+            if len(text) <= 4096:  # short texts recur (sources, small outputs): at most ~16 MB
+                if len(self._cache) >= 4096:
+                    self._cache.clear()
+                self._cache[text] = cached
+        if found is not None:
+            found.extend(cached[1])
+        return cached[0]
 
     def scrub_json(self, obj: Any) -> Any:
         return scrub_json(obj, self.scrub_text, compile_pattern(self.pattern).search)
@@ -1005,29 +1011,55 @@ class StoreRedactor:
         """A prediction context (jupyter_themisto.context.PredictionContext) safe to hand to any
         backend: every text in it scrubbed — cells and their outputs, the target cell, and any
         text field a later version adds — and a variable whose summary holds a secret reduced
-        to its name and type."""
-        self.refresh()
-        return self._scrub_dataclass(ctx)
+        to its name and type.
 
-    def _scrub_dataclass(self, obj: Any) -> Any:
+        A value that a literal binds to a secret name anywhere in it (`api_key = "…"` in a
+        cell above) is scrubbed from all of it (`print("…")` typed below), as the kernel does
+        once that cell has run: the request may come before the kernel's keyed hash of it
+        reaches the store (the cell not run yet, or the store locked by another process)."""
+        self.refresh()
+        found: list[str] = []
+        out = self._scrub_dataclass(ctx, partial(self.scrub_text, found=found), self.scrub_variable)
+        bound = KernelSecrets(self.pattern)
+        bound.learn_all(found)
+        if not bound.values:
+            return out
+
+        def variable(record: Mapping[str, Any]) -> Mapping[str, Any]:
+            summary = record.get("summary")
+            if summary and not summary.get("redacted") and bound.scrub_json(summary) != summary:
+                return stub_variable(record, SECRET_VALUE_REASON)
+            return record
+
+        return self._scrub_dataclass(out, bound.scrub, variable)
+
+    def _scrub_dataclass(
+        self,
+        obj: Any,
+        scrub: Callable[[str], str],
+        variable: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+    ) -> Any:
         names = {f.name for f in fields(obj)}
         if {"name", "type", "summary"} <= names:  # a variable as the runtime summary shows it
-            record = self.scrub_variable(
-                {"name": obj.name, "type": obj.type, "summary": obj.summary}
-            )
+            record = variable({"name": obj.name, "type": obj.type, "summary": obj.summary})
             return replace(obj, summary=record["summary"])
-        changes = {name: self._scrub_value(getattr(obj, name)) for name in names}
+        changes = {name: self._scrub_value(getattr(obj, name), scrub, variable) for name in names}
         return replace(obj, **changes)
 
-    def _scrub_value(self, value: Any) -> Any:
+    def _scrub_value(
+        self,
+        value: Any,
+        scrub: Callable[[str], str],
+        variable: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+    ) -> Any:
         if isinstance(value, str):
-            return self.scrub_text(value)
+            return scrub(value)
         if is_dataclass(value) and not isinstance(value, type):
-            return self._scrub_dataclass(value)
+            return self._scrub_dataclass(value, scrub, variable)
         if isinstance(value, (list, tuple)):
-            return type(value)(self._scrub_value(v) for v in value)
+            return type(value)(self._scrub_value(v, scrub, variable) for v in value)
         if isinstance(value, dict):
-            return self.scrub_json(value)
+            return scrub_json(value, scrub, compile_pattern(self.pattern).search)
         return value
 
     def scrub_export_row(self, row: Mapping[str, Any]) -> dict[str, Any]:

@@ -643,3 +643,27 @@ def test_scrub_context_covers_every_text_field(tmp_path):
     assert out.variables[0].summary == {"redacted": True}
     assert out.variables[1].summary == {"repr": "3"}
     assert out.cells[0].source == f"k = {REDACTED!r}" and ctx.cells[0].source != out.cells[0].source
+
+
+def test_scrub_context_follows_a_value_the_context_binds_to_a_secret_name(tmp_path):
+    """A value bound to a secret name by a literal anywhere in the context (here in a cell
+    below) is scrubbed wherever else it appears, a variable's summary included, before the
+    store has its keyed hash; nothing else changes."""
+    from jupyter_themisto.context import ContextCell, PredictionContext, VariableInfo
+
+    typed = "typed-only-here-0042"
+    ctx = PredictionContext(
+        cells=[ContextCell(source=f"connect({typed!r})", output_text=f"connected as {typed}")],
+        variables=[
+            VariableInfo(name="user", type="str", summary={"repr": repr(typed)}),
+            VariableInfo(name="n", type="int", summary={"repr": "3"}),
+        ],
+        target_source=f"print({typed!r}, 'plain')",
+        cells_below=[ContextCell(source=f"api_token = {typed!r}")],
+    )
+    out = StoreRedactor(TrajectoryStore(tmp_path / "t.sqlite")).scrub_context(ctx)
+    assert typed not in repr(out)
+    assert out.cells[0].source == f"connect({REDACTED!r})"
+    assert out.target_source == f"print({REDACTED!r}, 'plain')"
+    assert out.variables[0].summary == {"redacted": True}
+    assert out.variables[1].summary == {"repr": "3"}

@@ -173,6 +173,29 @@ async def test_planted_secrets_leak_nowhere(
     assert leaks(done.stdout + done.stderr) == []
 
 
+async def test_a_secret_typed_again_before_the_kernel_knows_it_reaches_no_model(jp_fetch, peer):
+    """The browser's cells bind a secret literal (`db_password = "…"`) and use the value again
+    where no rule sees a secret (`login("…")`) before the kernel has run them (or while another
+    process locks the store, so its keyed hash cannot land): the request's own binding is
+    enough for the server to scrub the value everywhere in what the model is sent. A key that
+    only looks like one (`sort_key`) is left as the person wrote it."""
+    typed = "typedplanted-0007-value"
+    cells = [
+        {"cell_type": "code", "source": "sort_key = 'sepal_length'"},
+        {"cell_type": "code", "source": f"db_password = {typed!r}"},
+        {"cell_type": "markdown", "source": f"Log in with {typed} below."},
+        {"cell_type": "code", "source": f"session = login({typed!r})\nsorted_by('sepal_length')"},
+    ]
+    body = {"backend": "openai", "cells": cells, "notebook_path": "typed.ipynb"}
+    answer = (await body_of(post(jp_fetch, "next-cell", body))).decode()
+    assert len(peer.requests) == 1
+    prompt = json.dumps(peer.requests[0].body)
+    assert "session = login(" in prompt and "sorted_by(" in prompt  # the cells reached it
+    assert typed not in prompt and typed not in answer
+    assert prompt.count(REDACTED) >= 3
+    assert prompt.count("sepal_length") == 2
+
+
 ORDINARY = [
     # What tutorials do with keys and tokens: none of these values is a secret.
     "d = {'key1': 'value1', 'species': 'setosa'}\nfor key in d:\n    print(key, d[key])",
