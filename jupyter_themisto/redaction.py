@@ -918,6 +918,10 @@ class KernelSecrets:
 # -- what the server and the exports know ------------------------------------------------------
 
 
+# What a context's variable record becomes (StoreRedactor.scrub_context).
+_Rule = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+
 class StoreRedactor:
     """Scrubs what leaves a store (API answers, exports, prediction contexts) with the
     secrets policy: literals bound to secret names, credential-shaped strings, and the values
@@ -1033,12 +1037,7 @@ class StoreRedactor:
 
         return self._scrub_dataclass(out, bound.scrub, variable)
 
-    def _scrub_dataclass(
-        self,
-        obj: Any,
-        scrub: Callable[[str], str],
-        variable: Callable[[Mapping[str, Any]], Mapping[str, Any]],
-    ) -> Any:
+    def _scrub_dataclass(self, obj: Any, scrub: Callable[[str], str], variable: _Rule) -> Any:
         names = {f.name for f in fields(obj)}
         if {"name", "type", "summary"} <= names:  # a variable as the runtime summary shows it
             record = variable({"name": obj.name, "type": obj.type, "summary": obj.summary})
@@ -1046,12 +1045,7 @@ class StoreRedactor:
         changes = {name: self._scrub_value(getattr(obj, name), scrub, variable) for name in names}
         return replace(obj, **changes)
 
-    def _scrub_value(
-        self,
-        value: Any,
-        scrub: Callable[[str], str],
-        variable: Callable[[Mapping[str, Any]], Mapping[str, Any]],
-    ) -> Any:
+    def _scrub_value(self, value: Any, scrub: Callable[[str], str], variable: _Rule) -> Any:
         if isinstance(value, str):
             return scrub(value)
         if is_dataclass(value) and not isinstance(value, type):
