@@ -127,20 +127,29 @@ class SmallSnapshots:
         status = snapshot_status(records)
         duration = time.perf_counter() - started
 
+        def unwritten(store: Any) -> int | None:
+            """The execution's id if its snapshot is still to write. (Looked up again: a job
+            kept while the store was locked may run in a file that replaced it, where that id
+            is another execution's, and this one's row is not.)"""
+            found = store.execution_id(tid, order)
+            return found if found is not None and store.get_snapshot(found) is None else None
+
         def job(store: Any) -> None:
             # Idempotent: the writer thread runs it again if it failed here (kept while the
             # store is locked). The next one reuses these records only once they are written.
             for digest, data in blobs.items():
                 store.put_blob(data, digest)
-            if store.get_snapshot(execution_id) is None:
+            found = unwritten(store)
+            if found is not None:
                 store.write_snapshot(
-                    execution_id, records, status=status, mode="inline", duration=duration
+                    found, records, status=status, mode="inline", duration=duration
                 )
-            self.kept = (order, {rec["name"]: rec for rec in records})
+                self.kept = (order, {rec["name"]: rec for rec in records})
 
         def instead(store: Any) -> None:
-            if store.get_snapshot(execution_id) is None:
-                store.write_snapshot(execution_id, [], status="failed", detail=GIVEN_UP)
+            found = unwritten(store)
+            if found is not None:
+                store.write_snapshot(found, [], status="failed", detail=GIVEN_UP)
 
         size = sum(len(data) for data in blobs.values()) + _RECORD_BYTES * len(records)
         r.writer.submit(job, retried=True, size=size, instead=instead)
