@@ -54,6 +54,7 @@ from urllib.parse import quote
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from percentiles import percentile  # noqa: E402
 from playwright.sync_api import Page, expect, sync_playwright  # noqa: E402
 
 from jupyter_themisto.cli.evaluate import add_option_flag, parse_options  # noqa: E402
@@ -244,14 +245,6 @@ def stayed_since(texts: list[list]) -> float:
     return since
 
 
-def p90(values: list[float]) -> float:
-    """The 90th percentile, within the values measured (the default method extrapolates past
-    the largest of a few)."""
-    return (
-        statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
-    )
-
-
 def measure(
     backend: str,
     sessions: list[Session],
@@ -315,13 +308,15 @@ def measure(
     print(f"[{label}] ghost text over {len(latencies)} new cells ({misses} without ghost text):")
     if latencies:
         print(
-            f"  median {statistics.median(latencies):.0f} ms, p90 {p90(latencies):.0f} ms, "
+            f"  median {statistics.median(latencies):.0f} ms,"
+            f" p90 {percentile(latencies, 0.9):.0f} ms, "
             f"min {min(latencies):.0f} ms, max {max(latencies):.0f} ms (target <= 300 ms)"
         )
     if stayed:
         print(
             f"  the text that stayed began: median {statistics.median(stayed):.0f} ms, p90"
-            f" {p90(stayed):.0f} ms; an early answer shown first and replaced in {replaced} of"
+            f" {percentile(stayed, 0.9):.0f} ms; an early answer shown first and replaced in"
+            f" {replaced} of"
             f" {len(stayed)}"
         )
     timed = [each for each in steps if each is not None]

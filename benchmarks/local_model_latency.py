@@ -55,6 +55,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from next_cell_latency import free_port, start_server, wait_until_up  # noqa: E402
+from percentiles import percentile  # noqa: E402
 
 from jupyter_themisto.backends import NoPrediction  # noqa: E402
 from jupyter_themisto.backends._local import Completion  # noqa: E402
@@ -161,7 +162,8 @@ def ms(values: list[float]) -> str:
     if not values:
         return "n/a"
     return (
-        f"median {statistics.median(values) * 1000:5.0f} ms, p90 {p90(values) * 1000:5.0f} ms,"
+        f"median {statistics.median(values) * 1000:5.0f} ms,"
+        f" p90 {percentile(values, 0.9) * 1000:5.0f} ms,"
         f" max {max(values) * 1000:5.0f} ms"
     )
 
@@ -205,15 +207,9 @@ async def in_process(
             a, b = results["before"][case], results[label][case]
             if a and b:
                 med = statistics.median(b) / statistics.median(a)
-                print(f"{case:28s} median x{med:.2f}, p90 x{p90(b) / p90(a):.2f}")
+                ratio = percentile(b, 0.9) / percentile(a, 0.9)
+                print(f"{case:28s} median x{med:.2f}, p90 x{ratio:.2f}")
     await generation_speed(backend, model, notebooks[0])
-
-
-def p90(values: list[float]) -> float:
-    # (inclusive: within the values measured; the default extrapolates past the largest of few)
-    return (
-        statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
-    )
 
 
 async def cases(

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from percentiles import percentile
 
 from jupyter_themisto.backends import BackendEnv
 from jupyter_themisto.backends.retrieval import RetrievalPredictor
@@ -170,11 +171,6 @@ def suggestions(sse: str) -> list[str]:
     return [texts[i] for i in sorted(texts)]
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
-
-
 async def main(n_requests: int, concurrency: int) -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -250,7 +246,7 @@ async def main(n_requests: int, concurrency: int) -> None:
             proc.wait(timeout=30)
             store.close()
 
-    p50, p95 = statistics.median(server_ms), pct(server_ms, 95)
+    p50, p95 = statistics.median(server_ms), percentile(server_ms, 0.95)
     d50 = statistics.median(direct_ms)
     print(f"trajectory: 300 executions (+ 20 x 50 of history); suggestions: {expected[:3]}")
     print(

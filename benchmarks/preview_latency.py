@@ -32,14 +32,10 @@ import time
 from typing import Any
 
 from jupyter_client.manager import AsyncKernelManager
+from percentiles import percentile
 
 from jupyter_themisto.backends.base import BackendEnv
 from jupyter_themisto.backends.preview import PreviewPredictor
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 async def main() -> None:
@@ -118,7 +114,7 @@ class Measured:
     def report(self, name: str, args: Any) -> None:
         def row(what: str, values: list[float]) -> str:
             return (
-                f"| {what} | {statistics.median(values):.1f} | {pct(values, 0.9):.1f} "
+                f"| {what} | {statistics.median(values):.1f} | {percentile(values, 0.9):.1f} "
                 f"| {max(values):.1f} |"
             )
 

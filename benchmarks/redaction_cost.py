@@ -36,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from percentiles import percentile  # noqa: E402
+
 from jupyter_themisto import redaction  # noqa: E402
 from jupyter_themisto.context import outputs_to_text  # noqa: E402
 from jupyter_themisto.dump import export_dump  # noqa: E402
@@ -43,11 +45,6 @@ from jupyter_themisto.redaction import KernelSecrets, StoreRedactor  # noqa: E40
 from jupyter_themisto.server.manager import ThemistoManager  # noqa: E402
 from jupyter_themisto.server.models import NextCellRequest  # noqa: E402
 from jupyter_themisto.store import TrajectoryStore  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def texts_of(outputs: list[dict]) -> list[str]:
@@ -190,8 +187,9 @@ def main() -> int:
         followed = kernel_side(executions, known)
         for label, per in (("nothing known", plain), ("3 values + 30 hashes", followed)):
             print(
-                f"  {label:<24} {statistics.median(per) * 1e3:7.3f} {pct(per, 0.95) * 1e3:7.3f}"
-                f" {pct(per, 0.99) * 1e3:7.3f} {sum(per):7.2f}"
+                f"  {label:<24} {statistics.median(per) * 1e3:7.3f}"
+                f" {percentile(per, 0.95) * 1e3:7.3f}"
+                f" {percentile(per, 0.99) * 1e3:7.3f} {sum(per):7.2f}"
             )
 
         found = namespaces(store, trajectories)
@@ -204,8 +202,8 @@ def main() -> int:
         )
         for label, per in (("first cell", first), ("next cells", again)):
             print(
-                f"  {label:<24} {statistics.median(per) * 1e3:7.3f} {pct(per, 0.95) * 1e3:7.3f}"
-                f" {max(per) * 1e3:7.3f}"
+                f"  {label:<24} {statistics.median(per) * 1e3:7.3f}"
+                f" {percentile(per, 0.95) * 1e3:7.3f} {max(per) * 1e3:7.3f}"
             )
 
         print("\nserver side (ms): page of executions median / p95; context median / p95")
@@ -230,8 +228,10 @@ def main() -> int:
             pages, contexts = server_side(store, trajectories)
             results[label] = export_seconds(store, trajectories)
             print(
-                f"  {label:<24} {statistics.median(pages) * 1e3:7.2f} {pct(pages, 0.95) * 1e3:7.2f}"
-                f"   {statistics.median(contexts) * 1e3:7.2f} {pct(contexts, 0.95) * 1e3:7.2f}"
+                f"  {label:<24} {statistics.median(pages) * 1e3:7.2f}"
+                f" {percentile(pages, 0.95) * 1e3:7.2f}"
+                f"   {statistics.median(contexts) * 1e3:7.2f}"
+                f" {percentile(contexts, 0.95) * 1e3:7.2f}"
             )
         print("\nexport of the whole store, summary snapshots (s):")
         for label, seconds in results.items():
