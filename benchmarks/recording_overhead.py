@@ -68,6 +68,7 @@ from typing import Any
 
 import nbformat
 from jupyter_client.manager import KernelManager
+from percentiles import percentile
 
 HERE = Path(__file__).parent
 RECORDER = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
@@ -91,15 +92,6 @@ QUICK = (
 )
 # Modes that run a plain kernel (the baseline and the floor).
 PLAIN = ("off", "off2")
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 class Kernel:
