@@ -441,7 +441,8 @@ def key_path(store_path: str | os.PathLike[str]) -> Path:
 
 
 def load_key(store_path: str | os.PathLike[str], *, create: bool = True) -> bytes | None:
-    """The store's digest key, created (0600, atomically) when missing and `create`."""
+    """The store's digest key, created (0600, atomically) when missing and `create` (else None
+    when it is missing, damaged or unreadable)."""
     path = key_path(store_path)
     try:
         data = path.read_bytes()
@@ -449,6 +450,10 @@ def load_key(store_path: str | os.PathLike[str], *, create: bool = True) -> byte
             return data
     except FileNotFoundError:
         pass
+    except OSError:
+        if not create:
+            return None  # (unreadable: to a reader, as good as missing)
+        raise
     if not create:
         return None
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{_random.token_hex(4)}")
@@ -473,6 +478,40 @@ def secret_digest(key: bytes, value: str) -> str:
     """The keyed hash recorded for a secret value."""
     mac = hmac.digest(key, value.encode("utf-8", "surrogatepass"), "sha256")
     return mac[:DIGEST_BYTES].hex()
+
+
+# Recorded beside the values' hashes, with length 0 (no text is searched for one): the keys the
+# store's hashes were made with, so that a key replaced or lost can be told.
+_KEY_CHECK = "jupyter-themisto: the key these hashes were made with"
+
+
+def key_check(key: bytes) -> tuple[str, int, bool]:
+    """The row that marks `key` as one the store's hashes were made with."""
+    return (secret_digest(key, _KEY_CHECK), 0, False)
+
+
+def key_problem(store: Any, key: bytes | None) -> str | None:
+    """Why some of the values the store holds as keyed hashes cannot be followed with `key`
+    (the key beside it; None when it is missing or damaged), or None when all can. A store
+    written before the key was marked tells only a missing key."""
+    digests = store.secret_digests()
+    values = sum(length >= MIN_SECRET_VALUE_LEN for _, length, _ in digests)
+    if not values:
+        return None
+    path = key_path(store.path)
+    if key is None:
+        hashes = "1 keyed hash" if values == 1 else f"the {values} keyed hashes"
+        return (
+            f"its key {path} is missing or damaged, so {hashes} of values the kernels knew to"
+            " be secret cannot be followed"
+        )
+    marks = {digest for digest, length, _ in digests if length == 0}
+    if marks - {key_check(key)[0]}:
+        return (
+            f"some of its keyed hashes of values the kernels knew to be secret were made with"
+            f" another key than {path} (it was replaced), so those values cannot be followed"
+        )
+    return None
 
 
 # A recorded value is looked for where it stands apart: the characters just before and just
@@ -873,7 +912,7 @@ class KernelSecrets:
             return 0
         key = load_key(store.path)
         assert key is not None
-        rows = []
+        rows = [key_check(key)]
         for value in new:
             for form in _escaped_forms(value):
                 rows.append((secret_digest(key, form), len(form), _has_space(form)))
@@ -927,9 +966,17 @@ class StoreRedactor:
     secrets policy: literals bound to secret names, credential-shaped strings, and the values
     the kernels recorded as keyed hashes."""
 
-    def __init__(self, store: Any, pattern: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        pattern: str | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         self.store = store
         self.pattern = pattern
+        # Told once why values recorded as secret cannot be followed (see key_problem).
+        self.warn = warn
+        self.problem: str | None = None
         self.matcher: DigestMatcher | None = None
         # (how many hashes, in which store file) when the matcher was made
         self._seen: tuple[int, int | None] = (-1, None)
@@ -950,6 +997,10 @@ class StoreRedactor:
             return
         key = load_key(self.store.path, create=False) if seen[0] else None
         self.matcher = DigestMatcher(key, self.store.secret_digests()) if key else None
+        problem = key_problem(self.store, key) if seen[0] else None
+        if problem is not None and problem != self.problem and self.warn is not None:
+            self.warn(f"the trajectory store {self.store.path}: {problem}")
+        self.problem = problem
         self._seen = seen
         self._cache.clear()
         self._verdicts.clear()
@@ -1102,6 +1153,7 @@ __all__ = [
     "env_secret_pattern",
     "is_secret_name",
     "key_path",
+    "key_problem",
     "load_key",
     "pickle_strings",
     "redact_export_row",

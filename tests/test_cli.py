@@ -145,6 +145,47 @@ def test_record_stops_at_an_error_without_allow_errors(tmp_path):
     ]
 
 
+def test_export_refuses_a_store_whose_secret_key_cannot_follow_its_hashes(tmp_path):
+    """One notebook prints a value; another binds the same value to a secret name. Only the
+    value's keyed hash scrubs it from the first notebook's output, so without the store's key
+    (deleted, or replaced by a new one that a later kernel made) `export` refuses, saying why
+    and what to do, and writes nothing; `--allow-unfollowed-secrets` exports anyway (the value
+    as printed); with the key back it exports with the value scrubbed."""
+    value = "shared-planted-value-0042"
+    printed = write_notebook(tmp_path / "printed.ipynb", [f"print({value!r})"])
+    bound = write_notebook(tmp_path / "bound.ipynb", [f"db_password = {value!r}"])
+    store_path = tmp_path / "s.sqlite"
+    r = cli("record", str(printed), str(bound), store=store_path)
+    assert r.returncode == 0, r.stderr
+    key = tmp_path / "s.sqlite.key"
+    saved = key.read_bytes()
+
+    def exported(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return cli("export", "--out", str(out), *extra, store=store_path)
+
+    key.unlink()
+    done = exported(tmp_path / "refused")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"its key {key} is missing or damaged" in done.stderr
+    assert "--allow-unfollowed-secrets" in done.stderr
+    assert not (tmp_path / "refused").exists()
+    done = exported(tmp_path / "anyway", "--allow-unfollowed-secrets")
+    assert done.returncode == 0, done.stderr
+    assert value in (tmp_path / "anyway" / "executions.jsonl").read_text()
+    # A later kernel made a new key: the first hashes still cannot be followed.
+    other = write_notebook(tmp_path / "other.ipynb", ["api_token = 'other-planted-0043'"])
+    assert cli("record", str(other), store=store_path).returncode == 0
+    done = exported(tmp_path / "replaced")
+    assert done.returncode == 2 and "made with another key" in done.stderr, done.stderr
+    key.write_bytes(saved)
+    assert exported(tmp_path / "still").returncode == 2  # (the second key's hashes now)
+    # Both kinds of hash stay, so only the key that made the most can be put back; the
+    # first key back, exported anyway: the first notebook's value is scrubbed.
+    done = exported(tmp_path / "dump", "--allow-unfollowed-secrets")
+    assert done.returncode == 0, done.stderr
+    assert value not in (tmp_path / "dump" / "executions.jsonl").read_text()
+
+
 def test_record_exits_1_when_an_execution_could_not_be_recorded(tmp_path):
     """A notebook whose executions the store could not take (here its own cell holds the
     store's write lock past the recorder's wait) is recorded with `lost` rows: `record` says

@@ -667,3 +667,42 @@ def test_scrub_context_follows_a_value_the_context_binds_to_a_secret_name(tmp_pa
     assert out.target_source == f"print({REDACTED!r}, 'plain')"
     assert out.variables[0].summary == {"redacted": True}
     assert out.variables[1].summary == {"repr": "3"}
+
+
+def test_a_store_whose_key_cannot_follow_its_hashes_is_said_once(tmp_path):
+    """The server's redactor says (once, through `warn`) when the values the store holds as
+    keyed hashes cannot be followed: the key missing or damaged, or replaced by another; with
+    the key back it says nothing more."""
+    from jupyter_themisto.redaction import key_path
+
+    store = TrajectoryStore(tmp_path / "t.sqlite")
+    secrets = KernelSecrets()
+    secrets.learn("a-planted-secret-value-77")
+    secrets.persist(store, None)
+    key = key_path(store.path)
+    saved = key.read_bytes()
+    said: list[str] = []
+    redactor = StoreRedactor(store, warn=said.append)
+    redactor.refresh()
+    assert said == [] and redactor.problem is None
+    for damage in (key.unlink, lambda: key.write_bytes(b"short")):
+        damage()
+        redactor = StoreRedactor(store, warn=said.append)
+        redactor.refresh()
+        redactor.refresh()
+        assert len(said) == 1 and "is missing or damaged" in said[0] and str(key) in said[0]
+        assert "a-planted-secret-value-77" not in said[0]
+        said.clear()
+    key.write_bytes(saved)
+    redactor = StoreRedactor(store, warn=said.append)
+    redactor.refresh()
+    assert said == [] and redactor.problem is None and redactor.matcher
+    # A new key (as a later kernel makes one): the first hashes were made with another.
+    key.unlink()
+    again = KernelSecrets()
+    again.learn("another-planted-value-78")
+    again.persist(store, None)
+    redactor = StoreRedactor(store, warn=said.append)
+    redactor.refresh()
+    assert len(said) == 1 and "made with another key" in said[0]
+    store.close()

@@ -51,6 +51,12 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--secret-pattern", default=None, help="override the secrets policy's regex")
     p.add_argument(
+        "--allow-unfollowed-secrets",
+        action="store_true",
+        help="export even when values the kernels recorded as secret cannot be followed (the"
+        " store's key file missing, damaged or replaced); refused otherwise",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="replace an earlier export in DIR (refused if DIR holds anything else, such as"
@@ -74,6 +80,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise CliError(str(e)) from e
     store = open_store(args)
+    problem = redaction.key_problem(store, redaction.load_key(store.path, create=False))
+    if problem is not None and not args.allow_unfollowed_secrets:
+        # A value printed in one notebook and bound to a secret name in another is scrubbed
+        # from the first only by its hash: without the key it would be exported as printed.
+        raise CliError(
+            f"not exported: the trajectory store {store.path}: {problem}. A value one notebook"
+            " printed before another bound it to a secret name would be exported as printed."
+            " Put the key back beside the store, or pass --allow-unfollowed-secrets"
+        )
     if args.trajectory:
         trajectories = [resolve_trajectory(store, t) for t in args.trajectory]
     else:

@@ -101,7 +101,7 @@ class ThemistoManager:
         self._store_threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="themisto-store")
         self._backends: dict[str, Predictor] = {}
         # The secrets policy for everything that leaves the store (answers and contexts).
-        self.redactor = StoreRedactor(store)
+        self.redactor = StoreRedactor(store, warn=lambda why: self.log.warning("themisto: %s", why))
         self._active: dict[tuple[str, ...], asyncio.Task[Any]] = {}
         #: how many prediction streams ended by cancellation (disconnect or supersede)
         self.cancelled = 0
