@@ -896,9 +896,14 @@ class KernelSecrets:
             count = store.secret_digest_count()
             if count == self._digest_count:
                 return
-            key = load_key(store.path)
-            if key is not None:
-                self.matcher = DigestMatcher(key, store.secret_digests())
+            # (Read, not made: a key made here could follow none of the hashes recorded
+            # without it. One is made when this kernel first records a hash.)
+            key = load_key(store.path, create=False) if count else None
+            if key is None:
+                if not count:
+                    self._digest_count = count  # (nothing to follow yet)
+                return  # (a key missing: looked for again at the next execution)
+            self.matcher = DigestMatcher(key, store.secret_digests())
             self._digest_count = count
         except Exception:
             pass

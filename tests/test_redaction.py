@@ -706,3 +706,25 @@ def test_a_store_whose_key_cannot_follow_its_hashes_is_said_once(tmp_path):
     redactor.refresh()
     assert len(said) == 1 and "made with another key" in said[0]
     store.close()
+
+
+def test_a_kernel_reading_hashes_without_their_key_makes_none_and_finds_it_back(tmp_path):
+    """A kernel that finds hashes but no key makes no key (one made then could follow none of
+    them, and would hide the loss behind a key that looks fine); the key put back is found at
+    the next execution."""
+    from jupyter_themisto.redaction import key_path
+
+    store = TrajectoryStore(tmp_path / "t.sqlite")
+    first = KernelSecrets()
+    first.learn("a-planted-secret-value-79")
+    first.persist(store, None)
+    key = key_path(store.path)
+    saved = key.read_bytes()
+    key.unlink()
+    later = KernelSecrets()
+    later.load_digests(store)
+    assert not key.exists() and not later.matcher
+    key.write_bytes(saved)
+    later.load_digests(store)
+    assert later.matcher and later.scrub("x = 'a-planted-secret-value-79'") == f"x = {REDACTED!r}"
+    store.close()
