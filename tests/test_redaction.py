@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import pickle
 import stat
+from pathlib import Path
 
 import markupsafe
 import pytest
@@ -669,17 +670,22 @@ def test_scrub_context_follows_a_value_the_context_binds_to_a_secret_name(tmp_pa
     assert out.variables[1].summary == {"repr": "3"}
 
 
-def test_a_store_whose_key_cannot_follow_its_hashes_is_said_once(tmp_path):
-    """The server's redactor says (once, through `warn`) when the values the store holds as
-    keyed hashes cannot be followed: the key missing or damaged, or replaced by another; with
-    the key back it says nothing more."""
+def store_with_a_hash(tmp_path: Path, value: str) -> tuple[TrajectoryStore, Path]:
+    """A store holding the keyed hash of `value`, as a kernel records it, and its key's path."""
     from jupyter_themisto.redaction import key_path
 
     store = TrajectoryStore(tmp_path / "t.sqlite")
     secrets = KernelSecrets()
-    secrets.learn("a-planted-secret-value-77")
+    secrets.learn(value)
     secrets.persist(store, None)
-    key = key_path(store.path)
+    return store, key_path(store.path)
+
+
+def test_a_store_whose_key_cannot_follow_its_hashes_is_said_once(tmp_path):
+    """The server's redactor says (once, through `warn`) when the values the store holds as
+    keyed hashes cannot be followed: the key missing or damaged, or replaced by another; with
+    the key back it says nothing more."""
+    store, key = store_with_a_hash(tmp_path, "a-planted-secret-value-77")
     saved = key.read_bytes()
     said: list[str] = []
     redactor = StoreRedactor(store, warn=said.append)
@@ -712,13 +718,7 @@ def test_a_kernel_reading_hashes_without_their_key_makes_none_and_finds_it_back(
     """A kernel that finds hashes but no key makes no key (one made then could follow none of
     them, and would hide the loss behind a key that looks fine); the key put back is found at
     the next execution."""
-    from jupyter_themisto.redaction import key_path
-
-    store = TrajectoryStore(tmp_path / "t.sqlite")
-    first = KernelSecrets()
-    first.learn("a-planted-secret-value-79")
-    first.persist(store, None)
-    key = key_path(store.path)
+    store, key = store_with_a_hash(tmp_path, "a-planted-secret-value-79")
     saved = key.read_bytes()
     key.unlink()
     later = KernelSecrets()
