@@ -145,6 +145,17 @@ def test_record_stops_at_an_error_without_allow_errors(tmp_path):
     ]
 
 
+# A cell that takes the store's write lock (and keeps it, as `held`), with the recorder told to
+# wait for a lock 0.2 s instead of 10 s before an execution counts as lost.
+LOCK_THE_STORE = (
+    "import os, sqlite3\n"
+    "from jupyter_themisto.kernel import get_recorder\n"
+    "get_recorder().writer.locked_retry_seconds = 0.2\n"
+    "held = sqlite3.connect(os.environ['THEMISTO_STORE'], timeout=30, isolation_level=None)\n"
+    "held.execute('BEGIN IMMEDIATE')"
+)
+
+
 def test_export_refuses_a_store_whose_secret_key_cannot_follow_its_hashes(tmp_path):
     """One notebook prints a value; another binds the same value to a secret name. Only the
     value's keyed hash scrubs it from the first notebook's output, so without the store's key
@@ -191,14 +202,9 @@ def test_record_exits_1_when_an_execution_could_not_be_recorded(tmp_path):
     store's write lock past the recorder's wait) is recorded with `lost` rows: `record` says
     so on stderr and exits 1, so a script does not take the recording for a whole one; the
     notebook after it is still recorded, and says nothing."""
-    lock = (
-        "import os, sqlite3\n"
-        "from jupyter_themisto.kernel import get_recorder\n"
-        "get_recorder().writer.locked_retry_seconds = 0.2\n"
-        "held = sqlite3.connect(os.environ['THEMISTO_STORE'], timeout=0, isolation_level=None)\n"
-        "held.execute('BEGIN IMMEDIATE')"
+    locked = write_notebook(
+        tmp_path / "locked.ipynb", [LOCK_THE_STORE, "x = 1", "held.execute('ROLLBACK')"]
     )
-    locked = write_notebook(tmp_path / "locked.ipynb", [lock, "x = 1", "held.execute('ROLLBACK')"])
     fine = write_notebook(tmp_path / "fine.ipynb", ["y = 2"])
     store_path = tmp_path / "s.sqlite"
     r = cli("record", str(locked), str(fine), store=store_path)
@@ -210,6 +216,18 @@ def test_record_exits_1_when_an_execution_could_not_be_recorded(tmp_path):
         statuses = [e["status"] for e in store.list_executions(by_name["locked.ipynb"])]
         assert statuses == ["lost", "lost", "ok"]
         assert [e["status"] for e in store.list_executions(by_name["fine.ipynb"])] == ["ok"]
+
+
+def test_record_fails_when_executions_still_wait_for_the_store_at_the_end(tmp_path):
+    """The store stays locked to the end (here by the notebook's own cell, until its kernel
+    ends): executions the recorder could not write yet are still in the kernel when `record`
+    is done with the cells. `record` waits for them up to --timeout, then says so and exits 1;
+    it said "1 cells recorded" and exited 0, and the two were gone with the kernel."""
+    nb = write_notebook(tmp_path / "held.ipynb", ["a = 1", LOCK_THE_STORE, "x = 1"])
+    r = cli("record", str(nb), "--timeout", "5", store=tmp_path / "s.sqlite")
+    assert r.returncode == 1, r.stderr
+    assert "1 cells recorded; stopped: writing the recording: " in r.stderr, r.stderr
+    assert "still wait for the store after 5 s" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_record_talks_to_its_kernel_over_an_encrypted_connection(tmp_path):

@@ -549,7 +549,7 @@ def test_a_snapshot_taken_while_the_store_is_locked_is_written_once_it_is_free(t
             assert time.monotonic() < deadline, "the row was never written"
             time.sleep(0.05)
         assert found["snapshot_status"] == "pending"
-        holder = sqlite3.connect(path, timeout=0, isolation_level=None)
+        holder = sqlite3.connect(path, timeout=30, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")
         k.settle()  # the snapshot is taken now; the writer gives up on the lock after 0.3 s
         waiting = k.value(f"{RECORDER}.status()['writes_waiting']")

@@ -40,6 +40,9 @@ _RUNNING = f"{RECORDER}.snapshots.running()"
 _REAP = f"{RECORDER}.snapshots.reap()"
 _TRAJECTORY = f"{RECORDER}.trajectory_id"
 _STATUS = f"{RECORDER}.status()"
+# Executions and other writes the store has not taken yet (locked by another process?): the
+# writer tries again every few seconds, and what still waits when the kernel ends is gone.
+_WAITING = f"(lambda s: s['lost_waiting'] + s['writes_waiting'])({RECORDER}.status())"
 
 
 def add_parsers(sub: Any) -> None:
@@ -306,9 +309,17 @@ async def _finish(client: Any, timeout: float) -> None:
     await _execute_silent(client, _FLUSH.format(timeout=timeout), timeout + 10, what)
     while True:
         await _execute_silent(client, _REAP, 60.0, what)
-        if await _query(client, _RUNNING) in (0, None):
+        running = await _query(client, _RUNNING)
+        waiting = await _query(client, _WAITING)
+        if running in (0, None) and waiting in (0, None):
             return
         if time.monotonic() > deadline:
+            if waiting:
+                raise CliError(
+                    f"{what}: {waiting} executions or snapshots still wait for the store after"
+                    f" {timeout:.0f} s (is another process holding it locked?); they end with"
+                    " the kernel"
+                )
             raise CliError(f"{what}: snapshot processes still running after {timeout:.0f} s")
         await asyncio.sleep(0.1)
 
