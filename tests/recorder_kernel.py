@@ -38,7 +38,9 @@ class Executed:
 class RecordingKernel:
     """A kernel started with `--ext=jupyter_themisto`, writing to its own store file."""
 
-    def __init__(self, store_path: Path, extra_arguments: list[str] | None = None) -> None:
+    def __init__(
+        self, store_path: Path, extra_arguments: list[str] | None = None, **launch: Any
+    ) -> None:
         self.store_path = store_path
         env = dict(os.environ)
         env["THEMISTO_STORE"] = str(store_path)
@@ -48,7 +50,9 @@ class RecordingKernel:
         env.pop("PYTEST_CURRENT_TEST", None)
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(
-            env=env, extra_arguments=["--ext=jupyter_themisto", *(extra_arguments or [])]
+            env=env,
+            extra_arguments=["--ext=jupyter_themisto", *(extra_arguments or [])],
+            **launch,  # (e.g. stderr: the kernel's log)
         )
         self.kc = self.km.client()
         self.kc.start_channels()

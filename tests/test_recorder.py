@@ -586,6 +586,34 @@ def test_a_snapshot_taken_while_the_store_is_locked_is_written_once_it_is_free(t
         k.shutdown()
 
 
+def test_a_kernel_ending_with_writes_the_store_never_took_says_so(tmp_path):
+    """Another process holds the store locked as the kernel shuts down: the executions kept
+    for it end with the kernel, and its log says how many and why (it said nothing)."""
+    path = tmp_path / "locked.sqlite"
+    log = tmp_path / "kernel.log"
+    with log.open("w") as stderr:
+        k = RecordingKernel(path, ["--ThemistoRecorder.store_busy_seconds=0.3"], stderr=stderr)
+        holder = None
+        try:
+            k.run("a = 1")
+            k.settle()
+            holder = sqlite3.connect(path, timeout=30, isolation_level=None)
+            holder.execute("BEGIN IMMEDIATE")
+            k.run("b = 2")
+            k.run("c = 3")
+            k.settle()
+            k.kc.stop_channels()
+            k.km.shutdown_kernel(now=False)  # (atexit runs: a clean shutdown request)
+        finally:
+            if holder is not None:
+                holder.close()
+            if k.km.has_kernel:
+                k.km.shutdown_kernel(now=True)
+    said = [line for line in log.read_text().splitlines() if "never took" in line]
+    assert len(said) == 1, log.read_text()[-2000:]
+    assert "2 executions and " in said[0] and "database is locked" in said[0]
+
+
 def test_a_relative_store_stays_where_it_was_when_a_cell_changes_directory(tmp_path, monkeypatch):
     (tmp_path / "work").mkdir()
     (tmp_path / "elsewhere").mkdir()

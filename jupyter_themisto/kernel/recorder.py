@@ -282,6 +282,7 @@ class ThemistoRecorder(LoggingConfigurable):
         self.snapshots.take_due()
         self.snapshots.close()
         self.writer.close(timeout=self.exit_wait_seconds + 5)
+        self._report_unwritten()
         self._registered = False
 
     def _install_deferral(self) -> None:
@@ -326,7 +327,23 @@ class ThemistoRecorder(LoggingConfigurable):
         if self.writer is not None:
             self.writer.wait_idle(self.exit_wait_seconds)
             self.writer.close(timeout=self.exit_wait_seconds)
+            self._report_unwritten()
         self.snapshots.wait(self.exit_wait_seconds, hurry=True)
+
+    def _report_unwritten(self) -> None:
+        """Say what the kernel ends with that the store never took (it is lost with it)."""
+        writer = self.writer
+        if writer is None or not (writer.lost or writer.waiting()):
+            return
+        from .writer import Unwritable
+
+        self._report(
+            "the kernel is ending with writes the store never took",
+            Unwritable(
+                f"{len(writer.lost)} executions and {writer.waiting()} other writes (snapshots,"
+                f" secrets' hashes) are lost with it: {writer.last_error or 'not writable'}"
+            ),
+        )
 
     def _keep_last(self) -> None:
         # Outputs emitted by other post_run_cell callbacks (registered after us, e.g. by a

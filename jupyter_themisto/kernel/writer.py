@@ -62,7 +62,7 @@ class _Stop:
     pass
 
 
-class _Unwritable(Exception):
+class Unwritable(Exception):
     """The store took no writes (the message says why)."""
 
 
@@ -327,7 +327,7 @@ class RecordWriter:
         if given_up:
             self._report(
                 "writes kept for a locked store were given up",
-                _Unwritable(
+                Unwritable(
                     f"{given_up} of them, the oldest (more than {self.max_kept_bytes:,} bytes"
                     f" or {_MAX_KEPT_JOBS:,} writes waiting); a snapshot given up is noted"
                     " `failed`"
@@ -413,7 +413,7 @@ class RecordWriter:
         if store is None or self.lost:
             reason = self.last_error or "the store is not writable"
             self.failures += 1
-            self._report("recording the execution failed", _Unwritable(reason))
+            self._report("recording the execution failed", Unwritable(reason))
             self._keep_lost(trajectory_id, order_index, fallback, reason)
             return
         try:
