@@ -728,3 +728,20 @@ def test_a_kernel_reading_hashes_without_their_key_makes_none_and_finds_it_back(
     later.load_digests(store)
     assert later.matcher and later.scrub("x = 'a-planted-secret-value-79'") == f"x = {REDACTED!r}"
     store.close()
+
+
+def test_a_key_made_over_hashes_without_a_mark_is_told_too(tmp_path):
+    """Hashes recorded before keys were marked, and their key lost: the kernel that makes a
+    new key marks the lost one, so that readers tell it (they could not have otherwise)."""
+    from jupyter_themisto.redaction import key_problem, load_key
+
+    store, key = store_with_a_hash(tmp_path, "a-planted-secret-value-80")
+    with store._write() as conn:  # (as written before the marks)
+        conn.execute("DELETE FROM secret_digests WHERE length = 0")
+    key.unlink()
+    later = KernelSecrets()
+    later.learn("another-planted-value-81")
+    later.persist(store, None)
+    problem = key_problem(store, load_key(store.path, create=False))
+    assert problem is not None and "made with another key" in problem
+    store.close()
