@@ -603,6 +603,7 @@ def test_a_kernel_ending_with_writes_the_store_never_took_says_so(tmp_path):
             k.run("c = 3")
             k.settle()
             k.kc.stop_channels()
+            k.km.shutdown_wait_time = 60  # (not killed after 5 s on a loaded machine)
             k.km.shutdown_kernel(now=False)  # (atexit runs: a clean shutdown request)
         finally:
             if holder is not None:
