@@ -490,15 +490,16 @@ def key_check(key: bytes) -> tuple[str, int, bool]:
     return (secret_digest(key, _KEY_CHECK), 0, False)
 
 
-def key_problem(store: Any, key: bytes | None) -> str | None:
-    """Why some of the values the store holds as keyed hashes cannot be followed with `key`
-    (the key beside it; None when it is missing or damaged), or None when all can. A store
-    written before the key was marked tells only a missing key."""
-    digests = store.secret_digests()
+def key_problem(
+    store_path: str | os.PathLike[str], key: bytes | None, digests: list[tuple[str, int, bool]]
+) -> str | None:
+    """Why some of the values a store holds as keyed hashes (its `digests`) cannot be followed
+    with `key` (the key beside it; None when it is missing or damaged), or None when all can.
+    A store written before the key was marked tells only a missing key."""
     values = sum(length >= MIN_SECRET_VALUE_LEN for _, length, _ in digests)
     if not values:
         return None
-    path = key_path(store.path)
+    path = key_path(store_path)
     if key is None:
         hashes = "1 keyed hash" if values == 1 else f"the {values} keyed hashes"
         return (
@@ -896,13 +897,14 @@ class KernelSecrets:
             count = store.secret_digest_count()
             if count == self._digest_count:
                 return
+            if not count:
+                self._digest_count = count  # (nothing to follow yet)
+                return
             # (Read, not made: a key made here could follow none of the hashes recorded
             # without it. One is made when this kernel first records a hash.)
-            key = load_key(store.path, create=False) if count else None
+            key = load_key(store.path, create=False)
             if key is None:
-                if not count:
-                    self._digest_count = count  # (nothing to follow yet)
-                return  # (a key missing: looked for again at the next execution)
+                return  # (looked for again at the next execution)
             self.matcher = DigestMatcher(key, store.secret_digests())
             self._digest_count = count
         except Exception:
@@ -1007,8 +1009,9 @@ class StoreRedactor:
         if seen == self._seen:
             return
         key = load_key(self.store.path, create=False) if seen[0] else None
-        self.matcher = DigestMatcher(key, self.store.secret_digests()) if key else None
-        problem = key_problem(self.store, key) if seen[0] else None
+        digests = self.store.secret_digests() if seen[0] else []
+        self.matcher = DigestMatcher(key, digests) if key else None
+        problem = key_problem(self.store.path, key, digests)
         if problem is not None and problem != self.problem and self.warn is not None:
             self.warn(f"the trajectory store {self.store.path}: {problem}")
         self.problem = problem
@@ -1086,6 +1089,8 @@ class StoreRedactor:
         self.refresh()
         found: list[str] = []
         out = self._scrub_dataclass(ctx, partial(self.scrub_text, found=found), self.scrub_variable)
+        if not found:
+            return out
         bound = KernelSecrets(self.pattern)
         bound.learn_all(found)
         if not bound.values:

@@ -742,6 +742,6 @@ def test_a_key_made_over_hashes_without_a_mark_is_told_too(tmp_path):
     later = KernelSecrets()
     later.learn("another-planted-value-81")
     later.persist(store, None)
-    problem = key_problem(store, load_key(store.path, create=False))
+    problem = key_problem(store.path, load_key(store.path, create=False), store.secret_digests())
     assert problem is not None and "made with another key" in problem
     store.close()

@@ -80,7 +80,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise CliError(str(e)) from e
     store = open_store(args)
-    problem = redaction.key_problem(store, redaction.load_key(store.path, create=False))
+    key = redaction.load_key(store.path, create=False)
+    problem = redaction.key_problem(store.path, key, store.secret_digests())
     if problem is not None and not args.allow_unfollowed_secrets:
         # A value printed in one notebook and bound to a secret name in another is scrubbed
         # from the first only by its hash: without the key it would be exported as printed.

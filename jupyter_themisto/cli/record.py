@@ -36,13 +36,9 @@ from ._common import open_store, store_path
 _LOAD = "get_ipython().run_line_magic('load_ext', 'jupyter_themisto')"
 _SET_MODE = f"{RECORDER}.snapshot_mode = {{mode!r}}"
 _FLUSH = f"{RECORDER}.settle({{timeout}})"
-_RUNNING = f"{RECORDER}.snapshots.running()"
 _REAP = f"{RECORDER}.snapshots.reap()"
 _TRAJECTORY = f"{RECORDER}.trajectory_id"
 _STATUS = f"{RECORDER}.status()"
-# Executions and other writes the store has not taken yet (locked by another process?): the
-# writer tries again every few seconds, and what still waits when the kernel ends is gone.
-_WAITING = f"(lambda s: s['lost_waiting'] + s['writes_waiting'])({RECORDER}.status())"
 
 
 def add_parsers(sub: Any) -> None:
@@ -257,9 +253,7 @@ def record_notebook(
                 # kernel is shut down: a snapshot it had not written is then swept to
                 # 'failed' by the next recorder or server that reads the store.)
                 try:
-                    await _finish(client, flush_timeout)
-                    found = await _query(client, _STATUS)
-                    status = found if isinstance(found, dict) else {}
+                    status = await _finish(client, flush_timeout)
                 except CliError as e:
                     error = f"{error}; {e}" if error else str(e)
         except CliError:
@@ -302,17 +296,23 @@ def _on_stop_signals(stop: Callable[[int], None]) -> None:
             return
 
 
-async def _finish(client: Any, timeout: float) -> None:
-    """Until the recorder has written everything and no snapshot child runs (or timeout)."""
+async def _finish(client: Any, timeout: float) -> dict[str, Any]:
+    """Until the recorder has written everything and no snapshot child runs (or timeout): the
+    recorder's status then."""
     deadline = time.monotonic() + timeout
     what = "writing the recording"
     await _execute_silent(client, _FLUSH.format(timeout=timeout), timeout + 10, what)
     while True:
         await _execute_silent(client, _REAP, 60.0, what)
-        running = await _query(client, _RUNNING)
-        waiting = await _query(client, _WAITING)
-        if running in (0, None) and waiting in (0, None):
-            return
+        found = await _query(client, _STATUS)
+        status = found if isinstance(found, dict) else {}
+        running = status.get("snapshot_children")
+        # Executions and other writes the store has not taken yet (locked by another
+        # process?): the writer tries again every few seconds; what still waits when the
+        # kernel ends is gone.
+        waiting = status.get("lost_waiting", 0) + status.get("writes_waiting", 0)
+        if not running and not waiting:
+            return status
         if time.monotonic() > deadline:
             if waiting:
                 raise CliError(
