@@ -12,8 +12,9 @@ import json
 import logging
 
 import pytest
+from tornado.httpclient import HTTPClientError
 
-from jupyter_themisto.redaction import REDACTED, SECRET_VALUE_REASON
+from jupyter_themisto.redaction import REDACTED, SECRET_VALUE_REASON, key_path
 from jupyter_themisto.store import TrajectoryStore
 from tests.helpers import body_of, cli, post, server_config
 from tests.peers import OpenAIPeer
@@ -194,6 +195,63 @@ async def test_a_secret_typed_again_before_the_kernel_knows_it_reaches_no_model(
     assert typed not in prompt and typed not in answer
     assert prompt.count(REDACTED) >= 3
     assert prompt.count("sepal_length") == 2
+
+
+async def test_no_context_goes_to_a_model_server_while_the_key_cannot_follow_its_hashes(
+    jp_fetch, jp_serverapp, store_path, peer, caplog
+):
+    """A kernel learnt a value is secret (its keyed hash is in the store); the store's key is
+    then lost. The browser's cells show that value where no rule but the hash finds it (a
+    literal in a call): nothing is sent to the HTTP backend (503, saying why and how to go on),
+    local backends answer as before; once allowed, the context goes out unscrubbed (what the
+    refusal kept from the model server); with the key back it goes out scrubbed."""
+    value = "unfollowedplanted-0008"
+    rows, _ = run_recorded(store_path, ["secret_later = 'unfollowed' + 'planted-0008'"], "unf")
+    key = key_path(store_path)
+    kept = key.read_bytes()
+    key.unlink()
+    cells = [
+        {"cell_type": "code", "source": "import json"},
+        {"cell_type": "code", "source": f"session = connect({value!r})"},
+    ]
+    body = {"backend": "openai", "cells": cells, "notebook_path": "unfollowed.ipynb"}
+    caplog.set_level(logging.INFO)
+
+    with pytest.raises(HTTPClientError) as refused:
+        await post(jp_fetch, "next-cell", body)
+    assert refused.value.code == 503
+    message = json.loads(refused.value.response.body)["message"]
+    assert str(key) in message and "missing or damaged" in message
+    assert "allow_unfollowed_secrets" in message and value not in message
+    with pytest.raises(HTTPClientError) as refused_output:
+        output = {"backend": "openai", "trajectory_id": rows[0]["trajectory_id"]}
+        await post(jp_fetch, "output", {**output, "source": f"connect({value!r})"})
+    assert refused_output.value.code == 503
+    assert peer.requests == []  # nothing reached the model server
+    # The local backends go on (nothing leaves the machine).
+    local = await post(jp_fetch, "next-cell", {**body, "backend": "retrieval"})
+    assert local.code == 200
+
+    manager = jp_serverapp.web_app.settings["themisto_manager"]
+    manager.allow_unfollowed_secrets = True
+    await post(jp_fetch, "next-cell", body)
+    assert len(peer.requests) == 1 and value in json.dumps(peer.requests[0].body)
+
+    manager.allow_unfollowed_secrets = False
+    key.write_bytes(kept)
+    # (the server reads the key again when the store's hashes change: a kernel learns one)
+    kernel = RecordingKernel(store_path)
+    try:
+        mid = kernel.send("password = 'another' + 'planted-0009'")
+        assert kernel.collect(mid).reply["status"] == "ok"
+        kernel.settle()
+    finally:
+        kernel.shutdown()
+    await post(jp_fetch, "next-cell", body)
+    assert len(peer.requests) == 2
+    prompt = json.dumps(peer.requests[1].body)
+    assert value not in prompt and "session = connect(" in prompt and REDACTED in prompt
+    assert value not in caplog.text
 
 
 ORDINARY = [

@@ -312,6 +312,12 @@ class HTTPPredictor(Predictor):
         never once a byte of the answer has been passed on.
         """
         url = self.base_url + path
+        problem = self.env.unfollowed() if self.env.unfollowed is not None else None
+        if problem:
+            raise BackendUnavailable(
+                f"{self.name}: nothing was sent to {self.base_url}: {problem}; put the key back,"
+                " or set c.ThemistoExtensionApp.allow_unfollowed_secrets = True to send anyway"
+            )
         attempt = 0
         while True:
             delay: float | None = None

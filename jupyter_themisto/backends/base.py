@@ -55,6 +55,11 @@ class BackendEnv:
     #: the host's own instance of a backend by name (its settings, its loaded model), for a
     #: backend that hands over to another (the preview's fallback)
     lookup: Callable[[str], Predictor] | None = None
+    #: why some values the store knows to be secret cannot be followed into a context right now
+    #: (its key missing or replaced: see redaction.key_problem), or None when all can or the
+    #: host sends contexts anyway. A backend that sends the context over the network to a
+    #: model server refuses while it says something (the scrub may have missed those values).
+    unfollowed: Callable[[], str | None] | None = None
 
 
 class BackendError(Exception):

@@ -96,6 +96,14 @@ class ThemistoExtensionApp(ExtensionApp):
         "giving up loading the recorder into it.",
     ).tag(config=True)
 
+    allow_unfollowed_secrets = Bool(
+        False,
+        help="Send prediction contexts to the HTTP backends (openai, anthropic) even while the "
+        "store holds keyed hashes of secret values that its key (<store>.key: missing, damaged "
+        "or replaced) cannot follow. By default those backends are refused meanwhile (503, "
+        "saying why): a value a kernel knew to be secret could reach the model server unscrubbed.",
+    ).tag(config=True)
+
     @validate("prediction_timeout", "auto_record_timeout")
     def _positive(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
@@ -138,6 +146,7 @@ class ThemistoExtensionApp(ExtensionApp):
             snapshot_wait=self.snapshot_wait,
             execution_wait=self.execution_wait,
             early_answer=self.early_answer_ms / 1000,
+            allow_unfollowed_secrets=self.allow_unfollowed_secrets,
         )
         self.auto_recorder = AutoRecorder(
             self.serverapp,

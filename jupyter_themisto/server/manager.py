@@ -83,6 +83,7 @@ class ThemistoManager:
         snapshot_wait: float = 2.0,
         execution_wait: float = 5.0,
         early_answer: float = 0.05,
+        allow_unfollowed_secrets: bool = False,
     ) -> None:
         self.store = store
         self.default_backend = default_backend
@@ -96,6 +97,7 @@ class ThemistoManager:
         self.snapshot_wait = snapshot_wait
         self.execution_wait = execution_wait
         self.early_answer = early_answer
+        self.allow_unfollowed_secrets = allow_unfollowed_secrets
         # SQLite calls block: they run here, off the event loop, so that a slow or locked store
         # delays the request that reads it and never the rest of the server.
         self._store_threads = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="themisto-store")
@@ -221,9 +223,19 @@ class ThemistoManager:
                 log=self.log,
                 scrub=self.redactor.scrub_context,
                 lookup=self.backend,
+                unfollowed=self.unfollowed_secrets,
             )
             self._backends[name] = create_backend(name, self.backend_settings.get(name), env)
         return self._backends[name]
+
+    def unfollowed_secrets(self) -> str | None:
+        """Why values the store knows to be secret cannot be followed into a context now (as of
+        the redactor's last refresh, which each context's scrub does), unless allowed anyway:
+        backends that send contexts over the network refuse meanwhile (BackendEnv.unfollowed)."""
+        problem = self.redactor.problem
+        if problem is None or self.allow_unfollowed_secrets:
+            return None
+        return f"the trajectory store {self.store.path}: {problem}"
 
     def check_settings(self) -> list[str]:
         """What is wrong with `backend_settings` (said in the log as the server starts; a
