@@ -226,6 +226,42 @@ def _literal_values(m: re.Match[str]) -> list[str]:
     return values
 
 
+# A line that may unpack literals into names: `user, password = "bob", "…"`, `(a, b) = …`,
+# `[a, b] = …`.
+_UNPACKING = re.compile(r"(?m)^[ \t]*[(\[]?[ \t]*[A-Za-z_][\w.]*[ \t]*,[^=\n]*=(?!=)[^\n]*$")
+# What stands before a name that is one of several targets (`user, ` of `user, password = …`).
+_TARGETS_BEFORE = re.compile(r"[ \t]*[(\[]?[ \t]*(?:[A-Za-z_][\w.]*[ \t]*,[ \t]*)+")
+_QUOTE_START = re.compile(r"[rRbBuUfF]*('''|\"\"\"|'|\")")
+
+
+def _unpacked(line: str) -> list[tuple[str, str, int, int]]:
+    """(target name, value, start, end) of each string literal a line unpacks into a name
+    (`user, password = "bob", "…"`); none when the line is not such a statement."""
+    stripped = line.lstrip()
+    try:
+        tree = ast.parse(stripped)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    node = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(node, ast.Assign) or not isinstance(node.value, (ast.Tuple, ast.List)):
+        return []
+    raw, indent = stripped.encode(), len(line) - len(stripped)
+    out = []
+    for target in node.targets:
+        if not isinstance(target, (ast.Tuple, ast.List)):
+            continue
+        for t, v in zip(target.elts, node.value.elts, strict=False):
+            name = t.id if isinstance(t, ast.Name) else getattr(t, "attr", "")
+            if name and isinstance(v, ast.Constant) and isinstance(v.value, (str, bytes)):
+                # (offsets are in UTF-8 bytes)
+                start = indent + len(raw[: v.col_offset].decode("utf-8", "replace"))
+                end = indent + len(raw[: v.end_col_offset or 0].decode("utf-8", "replace"))
+                value = v.value
+                text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+                out.append((name, text, start, end))
+    return out
+
+
 def redact_literals(text: str, pattern: str | None = None, found: list[str] | None = None) -> str:
     """`text` with string literals bound to secret names replaced by "<redacted>".
 
@@ -253,6 +289,9 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
     def scrub(m: re.Match[str]) -> str:
         if not secret_name(m):
             return m.group(0)
+        line_start = m.string.rfind("\n", 0, m.start()) + 1
+        if _TARGETS_BEFORE.fullmatch(m.string, line_start, m.start("name")):
+            return m.group(0)  # one of several targets: its literal is not the next one
         quote = m.group("q3") or m.group("q1")
         if found is not None:
             found.extend(_literal_values(m))
@@ -266,7 +305,20 @@ def redact_literals(text: str, pattern: str | None = None, found: list[str] | No
             found.append(body.strip("'\""))
         return m.group("lhs") + REDACTED
 
+    def unpack(m: re.Match[str]) -> str:
+        line = m.group(0)
+        for name, value, start, end in reversed(_unpacked(line)):
+            if regex.search(name):
+                quote = _QUOTE_START.match(line, start)
+                if quote is None or "f" in line[start : quote.start(1)].lower():
+                    continue  # (an f-string's value is not its text)
+                if found is not None:
+                    found.append(value)
+                line = f"{line[:start]}{quote.group(0)}{REDACTED}{quote.group(1)}{line[end:]}"
+        return line
+
     def bind(region: str) -> str:
+        region = _UNPACKING.sub(unpack, region)
         for binding in _BINDINGS:
             region = binding.sub(scrub, region)
         return _SHELL_BINDING.sub(scrub_shell, region)
@@ -1042,18 +1094,33 @@ class StoreRedactor:
     def scrub_json(self, obj: Any) -> Any:
         return scrub_json(obj, self.scrub_text, compile_pattern(self.pattern).search)
 
+    def scrub_texts(self, texts: list[str]) -> list[str]:
+        """The texts of one document (a notebook's cells) scrubbed as a context is: a value a
+        literal binds to a secret name in one of them is scrubbed from all (see scrub_context)."""
+        found: list[str] = []
+        out = [self.scrub_text(text, found) for text in texts]
+        if not found:
+            return out
+        bound = KernelSecrets(self.pattern)
+        bound.learn_all(found)
+        return [bound.scrub(text) for text in out] if bound.values else out
+
     def scrub_execution(self, row: Mapping[str, Any]) -> dict[str, Any]:
-        """An execution row (store shape) with its source and outputs scrubbed."""
+        """An execution row (store shape) with its source, outputs and detail scrubbed."""
         out = dict(row)
-        if isinstance(out.get("source"), str):
-            out["source"] = self.scrub_text(out["source"])
+        for name in ("source", "detail"):
+            if isinstance(out.get(name), str):
+                out[name] = self.scrub_text(out[name])
         if "outputs" in out:
             out["outputs"] = self.scrub_json(out["outputs"])
         return out
 
     def scrub_variable(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        """A variable record: a stub if its name is secret or its summary holds a secret."""
+        """A variable record: a stub if its name is secret or its summary holds a secret; its
+        reason (which may quote an error's message) scrubbed."""
         out = redact_variable(record, self.pattern)
+        if isinstance(out.get("stub_reason"), str):
+            out["stub_reason"] = self.scrub_text(out["stub_reason"])
         summary = out.get("summary")
         if summary and not summary.get("redacted"):
             ident = (out.get("type"), out.get("blob_hash"), out.get("fingerprint"))
@@ -1126,8 +1193,9 @@ class StoreRedactor:
     def scrub_export_row(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """An export row (an execution with `source`, `outputs`, `output_text`, `variables`)."""
         out = self.scrub_execution(row)
-        if isinstance(out.get("output_text"), str):
-            out["output_text"] = self.scrub_text(out["output_text"])
+        for name in ("output_text", "snapshot_detail"):
+            if isinstance(out.get(name), str):
+                out[name] = self.scrub_text(out[name])
         variables = out.get("variables")
         if isinstance(variables, list):
             out["variables"] = [

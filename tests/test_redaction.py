@@ -169,6 +169,27 @@ def test_redact_literals_bound_to_secret_names(code, value):
     assert any(value in f for f in found)
 
 
+@pytest.mark.parametrize(
+    "code, kept",
+    [
+        ('user, db_password = "bob", "unpack-123456"', '"bob"'),
+        ('(user, api_key) = ("bob", "unpack-123456")', '"bob"'),
+        ('api_key, user = "unpack-123456", "bob"', '"bob"'),
+        ("def connect():\n    user, password = 'bob', 'unpack-123456'\n    return 1", "'bob'"),
+        ('[cfg.user, cfg.password] = ["bob", "unpack-123456"]', '"bob"'),
+        ('user, passwort, password = "bob", 7, b"unpack-123456"', '"bob", 7, b"'),
+        ('n = "é"\nuser, api_key = "bé", "unpack-123456"  # ünïcode before', '"bé"'),
+    ],
+)
+def test_redact_literals_unpacked_into_secret_names(code, kept):
+    """Tuple unpacking: the literal at the secret name's place is scrubbed, not the one after
+    the last target (`user, password = "bob", "…"` kept "bob" and the secret once)."""
+    found: list[str] = []
+    out = redact_literals(code, found=found)
+    assert "unpack-123456" not in out and REDACTED in out and kept in out
+    assert found == ["unpack-123456"]
+
+
 def test_redact_literals_keeps_comparisons_and_other_names():
     code = 'if token == "abcdef-123456":\n    name = "keep-this-value"\nprint("a", "b")'
     assert redact_literals(code) == code

@@ -364,3 +364,70 @@ def test_secrets_in_lists_of_records_and_deep_configs_leak_nowhere(store_path, t
     files, _ = files_holding_the_recording(store_path, tmp_path / "dump")
     for f in files:
         assert nested_leaks(f.read_bytes()) == [], f
+
+
+def test_secrets_of_other_notebooks_and_in_markdown_leave_no_notebook_file_unscrubbed(tmp_path):
+    """Notebook A binds a value to a secret name; notebook B, recorded after it into the same
+    store, prints that value, and unpacks another one into a secret name (`user, password =
+    'bob', '…'`), repeated in a markdown cell. Neither value is in the store's file nor anywhere
+    in an export, its notebook_cells table (the notebook files, for the live setting) included,
+    and the name unpacked beside the secret one keeps its value."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    known, typed = "xkcdplanted-0010-known", "mdplanted-0011-typed"
+    store = tmp_path / "store" / "store.sqlite"
+    store.parent.mkdir()
+    a, b = tmp_path / "a.ipynb", tmp_path / "b.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell(f"db_password = {known!r}")]), a)
+    cells = [
+        new_code_cell(f"print('plain', {known!r})"),
+        new_markdown_cell(f"Log in with {typed} (bound below)."),
+        new_code_cell(f"user, password = 'bob', {typed!r}\nprint('ok')"),
+    ]
+    nbformat.write(new_notebook(cells=cells), b)
+    for nb in (a, b):  # one after the other: B's kernel starts once A's hash is stored
+        done = cli("record", str(nb), "--timeout", "120", store=store)
+        assert done.returncode == 0, done.stderr
+
+    files, done = files_holding_the_recording(store, tmp_path / "dump")
+    cells_file = next(f for f in files if f.name.startswith("notebook_cells"))
+    assert "Log in with" in cells_file.read_text() and "'bob'" in cells_file.read_text()
+    for f in files:
+        data = f.read_bytes()
+        assert known.encode() not in data and typed.encode() not in data, f
+
+
+def test_a_kernels_first_cell_is_scrubbed_of_the_values_other_kernels_recorded(store_path):
+    """A kernel's first cell prints a value another kernel recorded as secret: the source is
+    scrubbed before it is written, though the kernel reads the store's hashes only then."""
+    value = "firstplanted-0013-value"
+    for code in (f"db_password = {value!r}", f"print('plain', {value!r})"):
+        kernel = RecordingKernel(store_path)
+        try:
+            assert kernel.collect(kernel.send(code)).reply["status"] == "ok"
+            kernel.settle()
+        finally:
+            kernel.shutdown()
+    with TrajectoryStore(store_path, readonly=True) as store:
+        sources = [store.list_executions(t["id"])[0]["source"] for t in store.list_trajectories()]
+    assert sorted(sources) == sorted(
+        [f"db_password = {REDACTED!r}", f"print('plain', {REDACTED!r})"]
+    )
+    assert value.encode() not in store_path.read_bytes()
+
+
+def test_a_secret_quoted_by_an_error_is_not_recorded_as_the_reason(store_path):
+    """A value's `__reduce__` raises an error quoting a secret the kernel knows: the variable
+    is a stub whose reason says why without the value, in the store and in the kernel's log."""
+    value = "stubplanted-0012-value"
+    cells = [
+        f"db_password = {value!r}",
+        "class Leaky:\n    def __reduce__(self):\n"
+        "        raise ValueError('cannot pickle, pw=' + db_password)\nleaky = Leaky()",
+    ]
+    rows, variables = run_recorded(store_path, cells, "leaky")
+    reason = variables["leaky"]["stub_reason"]
+    assert reason.startswith("unpicklable: ValueError: cannot pickle, pw=") and REDACTED in reason
+    assert value not in json.dumps(rows)
+    assert value.encode() not in store_path.read_bytes()

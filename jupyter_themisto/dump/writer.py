@@ -133,9 +133,13 @@ def execution_rows(
         yield row
 
 
-def notebook_cell_rows(trajectory: dict[str, Any], pattern: str | None) -> list[dict[str, Any]]:
+def notebook_cell_rows(
+    trajectory: dict[str, Any], redactor: redaction.StoreRedactor
+) -> list[dict[str, Any]]:
     """The cells of a trajectory's notebook file (what the browser has beside the executions),
-    redacted; none when the file is gone or unreadable (the live setting then lacks them)."""
+    scrubbed as a prediction context is (the store's keyed hashes too: a value a kernel knew
+    secret, written in a markdown cell); none when the file is gone or unreadable (the live
+    setting then lacks them)."""
     import nbformat
 
     path = trajectory.get("notebook_path")
@@ -145,20 +149,22 @@ def notebook_cell_rows(trajectory: dict[str, Any], pattern: str | None) -> list[
         nb = nbformat.read(path, as_version=4)
     except Exception:  # noqa: BLE001 - any unreadable notebook just has no cells to offer
         return []
-    rows = []
-    for position, cell in enumerate(nb.cells):
+    sources = []
+    for cell in nb.cells:
         source = cell.get("source") or ""
-        source = "".join(source) if isinstance(source, list) else str(source)
-        rows.append(
-            {
-                "trajectory_id": trajectory["id"],
-                "position": position,
-                "cell_id": notebook_cell_id(cell, position),
-                "cell_type": str(cell.get("cell_type") or "code"),
-                "source": redaction.redact_source(source, pattern),
-            }
+        sources.append("".join(source) if isinstance(source, list) else str(source))
+    return [
+        {
+            "trajectory_id": trajectory["id"],
+            "position": position,
+            "cell_id": notebook_cell_id(cell, position),
+            "cell_type": str(cell.get("cell_type") or "code"),
+            "source": source,
+        }
+        for position, (cell, source) in enumerate(
+            zip(nb.cells, redactor.scrub_texts(sources), strict=True)
         )
-    return rows
+    ]
 
 
 def task_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -321,7 +327,7 @@ def export_dump(
                         blobs.update(row["output_blobs"])
                         blobs.update(v["blob_hash"] for v in row["variables"] if v["blob_hash"])
                     bar.update(1)
-                for r in notebook_cell_rows(t, pattern):
+                for r in notebook_cell_rows(t, redactor):
                     writers["notebook_cells"].write(r)
                 next_cell, output = task_rows(rows)
                 for r in next_cell:

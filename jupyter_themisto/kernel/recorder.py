@@ -401,11 +401,20 @@ class ThemistoRecorder(LoggingConfigurable):
         )
         return self.trajectory_id
 
+    def describe(self, error: BaseException) -> str:
+        """`Type: message` of an error, without the secret values the kernel knows (an error
+        of the person's objects, such as a `__reduce__` that fails, may quote one)."""
+        text = f"{type(error).__name__}: {str(error)[:300]}"
+        try:
+            return self.secrets.scrub(text)
+        except Exception:
+            return type(error).__name__
+
     def _report(self, what: str, error: BaseException) -> None:
         self.errors += 1
-        self.last_error = f"{what}: {type(error).__name__}: {str(error)[:300]}"
+        self.last_error = f"{what}: {self.describe(error)}"
         try:
-            self.log.warning("themisto: %s: %s: %s", what, type(error).__name__, error)
+            self.log.warning("themisto: %s", self.last_error)
         except Exception:
             pass
 
@@ -547,6 +556,7 @@ class ThemistoRecorder(LoggingConfigurable):
         if self.redact_source:
             source = redact_source(source, self.secret_pattern)
         source = secrets.scrub(source)
+        followed = secrets.matcher  # (the hashes of other kernels' values known so far)
         # As the frontend got it back (`execute_input`): text a database can hold (a lone
         # surrogate would make the row unwritable).
         source = as_sent(source)
@@ -576,6 +586,10 @@ class ThemistoRecorder(LoggingConfigurable):
 
         def prepare(put_blob: Any) -> dict[str, Any]:
             # On the writer thread: wire form, bounds, blobs.
+            if secrets.matcher is not followed:
+                # Hashes other kernels recorded, loaded since the source was scrubbed (this
+                # kernel's first cell, or one run just after another kernel learnt a value).
+                record["source"] = as_sent(secrets.scrub(record["source"]))
             full = dict(record)
             outputs = finalize_outputs(
                 raw_outputs, put_blob=put_blob, scrub=secrets.scrub_output, **limits

@@ -102,20 +102,30 @@ def _write(
     """Write the snapshot (or a `failed` one saying why it could not be taken): the exit code."""
     from ..store.processes import process_identity
 
+    writer: SnapshotWriter | None = None
     try:
         # This process resolves the snapshot now: if it dies (with its kernel or not), a sweep
         # finds it gone and marks the snapshot failed.
         store.set_snapshot_owner(execution_id, process_identity("snapshot"))
-        writer_for(store).write(execution_id, variables, mode="fork")
+        writer = writer_for(store)
+        writer.write(execution_id, variables, mode="fork")
         return CHILD_OK
     except BaseException as e:  # noqa: B036
+        # The error's message only once scrubbed: it may quote a secret value the kernel knows.
+        detail = type(e).__name__
+        if writer is not None:
+            try:
+                message = f"{detail}: {str(e)[:500]}"
+                detail = writer.secrets.scrub(message) if writer.secrets is not None else message
+            except BaseException:  # noqa: B036 - the error's name then
+                pass
         try:
             store.write_snapshot(
                 execution_id,
                 [],
                 status="failed",
                 mode="fork",
-                detail=f"{type(e).__name__}: {str(e)[:500]}",
+                detail=detail,
                 replace_failed=True,
             )
             return CHILD_FAILED

@@ -155,7 +155,7 @@ class SnapshotManager:
             self._take(order)
         except BaseException as e:  # noqa: B036 - a recorder must never break the kernel
             self.recorder._report("taking the snapshot failed", e)
-            self._write_status(order, "failed", f"{type(e).__name__}: {str(e)[:300]}")
+            self._write_status(order, "failed", self.recorder.describe(e))
 
     def _take(self, order: int) -> None:
         r = self.recorder

@@ -128,6 +128,11 @@ class SnapshotWriter:
         t0 = time.perf_counter()
         previous = self.previous()
         records = [self.record(name, value, previous.get(name)) for name, value in variables]
+        if self.secrets is not None:
+            # A reason may quote an error's message, and a message may quote a secret value.
+            for rec in records:
+                if rec.get("stub_reason"):
+                    rec["stub_reason"] = self.secrets.scrub(rec["stub_reason"])
         status = snapshot_status(records)
         sid = self.store.write_snapshot(
             execution_id,
