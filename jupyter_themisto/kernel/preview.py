@@ -50,6 +50,10 @@ MAX_REPLY = MAX_PAYLOAD + 2**16
 REPLY_END = b"\n\x04"
 #: how often the kernel checks the child's memory while it runs (seconds)
 MEMORY_POLL = 0.02
+# How much more than its bound the machine's available memory may fall while a preview runs
+# (other processes' work meanwhile) before the preview is stopped for memory it holds where
+# the count of its processes, memfds and scratch cannot see (socket buffers, kernel objects).
+UNCOUNTED_SLACK = 512 * 2**20
 #: ipykernel's OutStream.flush_interval (the kernel's own streams' value is used where they have
 #: one): what a stream buffers becomes an output this long after the first write
 FLUSH_INTERVAL = 0.2
@@ -799,6 +803,7 @@ class _Watch:
         self.header: dict[str, Any] | None = None
         self.killed: str | None = None
         self.complete = False
+        self.available = sandbox.available_memory()
 
     def run(self) -> None:
         """Read the reply until the namespace closes it, or a bound is passed (`killed`)."""
@@ -836,10 +841,14 @@ class _Watch:
                 scratch = self.header.get("scratch_fd") if self.header else None
                 if not isinstance(scratch, int):
                     scratch = None
-                used = sandbox.namespace_memory(self.spawned.pid, scratch)
+                used = sandbox.namespace_memory(self.spawned.pid, scratch, self.deadline)
                 if used is not None and scratch is not None:
                     used += self.spawned.sysv_shared_memory()
                 if used is not None and used > self.memory:
+                    self.killed = "memory"
+                    return
+                now = sandbox.available_memory()
+                if self.available and now and self.available - now > self.memory + UNCOUNTED_SLACK:
                     self.killed = "memory"
                     return
 

@@ -22,6 +22,7 @@ import socket
 import stat
 import sys
 import tempfile
+import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -852,10 +853,12 @@ def _private_memory(proc: str) -> int:
     return total
 
 
-def namespace_memory(pid: int, scratch_fd: int | None) -> int | None:
+def namespace_memory(pid: int, scratch_fd: int | None, deadline: float | None = None) -> int | None:
     """Memory the preview with first process `pid` holds: the private memory of every process
     of its namespace, the memfd files they hold open, and what its scratch file system (the
-    overlays' copies, /dev/shm) stores. None where /proc cannot tell."""
+    overlays' copies, /dev/shm) stores. None where /proc cannot tell, or once `deadline` (of
+    time.monotonic) passes: the cell decides how many processes and descriptors there are to
+    look at, and so how long a look takes."""
     if scratch_fd is None:  # still setting up: its root is not yet the private one
         try:
             return _private_memory(f"/proc/{pid}")
@@ -871,15 +874,23 @@ def namespace_memory(pid: int, scratch_fd: int | None) -> int | None:
     for proc in procs:
         try:
             total += _private_memory(proc)
-            for fd in os.listdir(f"{proc}/fd"):
-                link = f"{proc}/fd/{fd}"
+            fds = os.listdir(f"{proc}/fd")
+        except (OSError, ValueError):
+            continue  # (a process that just ended)
+        for i, fd in enumerate(fds):
+            if deadline is not None and i % 256 == 0 and time.monotonic() >= deadline:
+                return None
+            link = f"{proc}/fd/{fd}"
+            try:
+                # (one descriptor that cannot be read, such as a path past PATH_MAX, hides
+                # none of the others)
                 if os.readlink(link).startswith("/memfd:"):
                     st = os.stat(link)
                     if (st.st_dev, st.st_ino) not in files:
                         files.add((st.st_dev, st.st_ino))
                         total += st.st_blocks * 512
-        except (OSError, ValueError):
-            continue  # (a process that just ended)
+            except (OSError, ValueError):
+                continue
     if scratch_fd is not None:
         try:
             vfs = os.statvfs(f"/proc/{pid}/fd/{scratch_fd}")
@@ -887,6 +898,18 @@ def namespace_memory(pid: int, scratch_fd: int | None) -> int | None:
         except OSError:
             pass
     return total
+
+
+def available_memory() -> int | None:
+    """The machine's available memory in bytes (MemAvailable), None where /proc cannot tell."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def sysv_shared_memory() -> int:
