@@ -193,6 +193,33 @@ def test_cpu_time_of_a_busy_cell(kernel):
     assert row["cpu_time"] > 0.05 and row["wall_time"] >= row["cpu_time"] * 0.5
 
 
+def test_a_cell_patching_the_clock_does_not_change_the_recorded_times(kernel):
+    # freezegun-style: the person's clock stops; the recorder's goes on.
+    kernel.run("import time as _t\n_clocks = (_t.time, _t.perf_counter, _t.process_time)")
+    before = time.time()
+    normal = kernel.run("_t.sleep(0.2)")
+    patched = kernel.run(
+        "_t.time = _t.perf_counter = _t.process_time = lambda: 0.0\nfrozen = _t.time()"
+    )
+    try:
+        frozen = kernel.run("_t.sleep(0.2)\nassert _t.time() == 0.0")
+        assert frozen.reply["status"] == "ok"  # the patch holds for the person's code
+        kernel.wait_snapshot(frozen.msg_id)  # taken (and its row written) while patched
+    finally:
+        kernel.run("_t.time, _t.perf_counter, _t.process_time = _clocks")
+    after = time.time()
+    assert patched.reply["status"] == "ok"
+    rows = [kernel.wait_snapshot(d.msg_id) for d in (normal, patched, frozen)]
+    for row in rows:
+        assert before <= row["started_at"] <= after
+    assert rows[0]["started_at"] <= rows[1]["started_at"] <= rows[2]["started_at"]
+    # The wall time of the frozen cell is its sleep, as for the one before the patch.
+    assert 0.2 <= rows[0]["wall_time"] < 60 and 0.2 <= rows[2]["wall_time"] < 60
+    with kernel.store() as store:
+        snapshot = store.get_snapshot(rows[2]["id"])
+    assert snapshot is not None and before <= snapshot["created_at"] <= after
+
+
 def test_interrupted_status(kernel):
     msg_id = kernel.send("import time\nprint('running', flush=True)\ntime.sleep(60)", "sleepy")
     # Wait until the cell's own code runs (its execute_input comes before the recorder's hooks:

@@ -253,7 +253,8 @@ def drain_fd_pipes(budget: float = 0.02) -> None:
     Waits at most `budget` seconds, only while a pipe has unread bytes.
     """
     import select
-    import time
+
+    from .. import _clock as time
 
     fids: list[int] = [
         f

@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import time
 import uuid
 from collections import deque
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from traitlets import Bool, Enum, Float, Int, Unicode, default, observe, validate
 from traitlets.config import LoggingConfigurable
 
+from .. import _clock as time
 from ..redaction import DEFAULT_SECRET_PATTERN, KernelSecrets, compile_pattern, redact_source
 from . import resources
 from .outputs import OutputCapture, as_sent, drain_fd_pipes, error_output, finalize_outputs

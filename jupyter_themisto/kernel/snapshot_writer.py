@@ -25,10 +25,10 @@ Per variable, in this order:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import _clock as time
 from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_variable
 from ..references import library_reference
 from .pickling import (
