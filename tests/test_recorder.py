@@ -164,6 +164,50 @@ def test_long_output_is_truncated_visibly(kernel):
     assert TRUNCATION_MARKER.format(omitted=10_001 - 2000) in out["text"]
 
 
+def test_invalid_settings_are_refused_and_recording_goes_on(kernel, tmp_path):
+    recorder = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
+    pattern = kernel.value(f"{recorder}.secret_pattern")
+    store_file = kernel.value(f"str({recorder}.store_file)")
+    other = tmp_path / "other.sqlite"
+    refused = [
+        ("secret_pattern = '('", "invalid secret pattern '('"),
+        ("max_output_bytes = 0", "max_output_bytes must be at least 1 (bytes), not 0"),
+        ("max_output_bytes = -5", "max_output_bytes must be at least 1 (bytes), not -5"),
+        ("max_execution_output_bytes = 0", "max_execution_output_bytes must be at least 1"),
+        (f"store_path = {str(other)!r}", "store_path takes effect only when the kernel starts"),
+    ]
+    try:
+        for setting, message in refused:
+            done = kernel.run(f"%config ThemistoRecorder.{setting}")
+            errors = "".join(o["text"] for o in done.of("stream") if o["name"] == "stderr")
+            assert message in errors, (setting, errors)
+        # The settings in use are kept.
+        assert kernel.value(f"{recorder}.secret_pattern") == pattern
+        assert kernel.value(f"{recorder}.max_output_bytes") == 2000
+        assert kernel.value(f"{recorder}.max_execution_output_bytes") == 1048576
+        assert kernel.value(f"{recorder}.store_path") == ""
+        assert kernel.value(f"str({recorder}.store_file)") == store_file
+        # ... and the recording goes on with them: the next cell is recorded, its secret
+        # scrubbed and its long output cut at 2000 bytes, in the same store.
+        after = kernel.run("api_key = 'BADPAT12345'\nprint('c2', api_key)\nprint('y' * 3000)")
+        row = kernel.execution(after.msg_id)
+        (out,) = row["outputs"]
+        assert "BADPAT12345" not in out["text"] and "BADPAT12345" not in row["source"]
+        head, marker = out["text"].split("\n[themisto: output truncated, ")
+        assert len(head.encode()) == 2000 and marker.endswith(" bytes omitted]\n")
+        assert not other.exists()
+        # A valid setting is still taken.
+        kernel.run("%config ThemistoRecorder.max_output_bytes = 1000")
+        assert kernel.value(f"{recorder}.max_output_bytes") == 1000
+    finally:
+        kernel.run(
+            f"%config ThemistoRecorder.secret_pattern = {pattern!r}\n"
+            "%config ThemistoRecorder.max_output_bytes = 2000\n"
+            "%config ThemistoRecorder.max_execution_output_bytes = 1048576\n"
+            "%config ThemistoRecorder.store_path = ''"
+        )
+
+
 def test_display_bundles_whole_and_the_execution_bound(kernel):
     kernel.run("%config ThemistoRecorder.max_execution_output_bytes = 5000")
     try:
