@@ -506,6 +506,13 @@ class ThemistoRecorder(LoggingConfigurable):
             cpu = time.process_time() - current["cpu0"]
             drain_fd_pipes()
             raw_outputs = self.capture.stop()
+            error = getattr(result, "error_before_exec", None) or getattr(
+                result, "error_in_exec", None
+            )
+            if error is not None and self.capture.clear_pending:
+                # The error output (added to them later) is the cell's next output: a
+                # `clear_output(wait=True)` before it clears the outputs before it.
+                raw_outputs = []
             after = resources.rss()
             peak = self.peak.peak(current["memory_before"], after)
             self._pending = {
