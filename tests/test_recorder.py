@@ -164,6 +164,50 @@ def test_long_output_is_truncated_visibly(kernel):
     assert TRUNCATION_MARKER.format(omitted=10_001 - 2000) in out["text"]
 
 
+def test_invalid_settings_are_refused_and_recording_goes_on(kernel, tmp_path):
+    recorder = "__import__('jupyter_themisto.kernel', fromlist=['get_recorder']).get_recorder()"
+    pattern = kernel.value(f"{recorder}.secret_pattern")
+    store_file = kernel.value(f"str({recorder}.store_file)")
+    other = tmp_path / "other.sqlite"
+    refused = [
+        ("secret_pattern = '('", "invalid secret pattern '('"),
+        ("max_output_bytes = 0", "max_output_bytes must be at least 1 (bytes), not 0"),
+        ("max_output_bytes = -5", "max_output_bytes must be at least 1 (bytes), not -5"),
+        ("max_execution_output_bytes = 0", "max_execution_output_bytes must be at least 1"),
+        (f"store_path = {str(other)!r}", "store_path takes effect only when the kernel starts"),
+    ]
+    try:
+        for setting, message in refused:
+            done = kernel.run(f"%config ThemistoRecorder.{setting}")
+            errors = "".join(o["text"] for o in done.of("stream") if o["name"] == "stderr")
+            assert message in errors, (setting, errors)
+        # The settings in use are kept.
+        assert kernel.value(f"{recorder}.secret_pattern") == pattern
+        assert kernel.value(f"{recorder}.max_output_bytes") == 2000
+        assert kernel.value(f"{recorder}.max_execution_output_bytes") == 1048576
+        assert kernel.value(f"{recorder}.store_path") == ""
+        assert kernel.value(f"str({recorder}.store_file)") == store_file
+        # ... and the recording goes on with them: the next cell is recorded, its secret
+        # scrubbed and its long output cut at 2000 bytes, in the same store.
+        after = kernel.run("api_key = 'BADPAT12345'\nprint('c2', api_key)\nprint('y' * 3000)")
+        row = kernel.execution(after.msg_id)
+        (out,) = row["outputs"]
+        assert "BADPAT12345" not in out["text"] and "BADPAT12345" not in row["source"]
+        head, marker = out["text"].split("\n[themisto: output truncated, ")
+        assert len(head.encode()) == 2000 and marker.endswith(" bytes omitted]\n")
+        assert not other.exists()
+        # A valid setting is still taken.
+        kernel.run("%config ThemistoRecorder.max_output_bytes = 1000")
+        assert kernel.value(f"{recorder}.max_output_bytes") == 1000
+    finally:
+        kernel.run(
+            f"%config ThemistoRecorder.secret_pattern = {pattern!r}\n"
+            "%config ThemistoRecorder.max_output_bytes = 2000\n"
+            "%config ThemistoRecorder.max_execution_output_bytes = 1048576\n"
+            "%config ThemistoRecorder.store_path = ''"
+        )
+
+
 def test_display_bundles_whole_and_the_execution_bound(kernel):
     kernel.run("%config ThemistoRecorder.max_execution_output_bytes = 5000")
     try:
@@ -191,6 +235,33 @@ def test_cpu_time_of_a_busy_cell(kernel):
     done = kernel.run("total = sum(i * i for i in range(3_000_000))")
     row = kernel.execution(done.msg_id)
     assert row["cpu_time"] > 0.05 and row["wall_time"] >= row["cpu_time"] * 0.5
+
+
+def test_a_cell_patching_the_clock_does_not_change_the_recorded_times(kernel):
+    # freezegun-style: the person's clock stops; the recorder's goes on.
+    kernel.run("import time as _t\n_clocks = (_t.time, _t.perf_counter, _t.process_time)")
+    before = time.time()
+    normal = kernel.run("_t.sleep(0.2)")
+    patched = kernel.run(
+        "_t.time = _t.perf_counter = _t.process_time = lambda: 0.0\nfrozen = _t.time()"
+    )
+    try:
+        frozen = kernel.run("_t.sleep(0.2)\nassert _t.time() == 0.0")
+        assert frozen.reply["status"] == "ok"  # the patch holds for the person's code
+        kernel.wait_snapshot(frozen.msg_id)  # taken (and its row written) while patched
+    finally:
+        kernel.run("_t.time, _t.perf_counter, _t.process_time = _clocks")
+    after = time.time()
+    assert patched.reply["status"] == "ok"
+    rows = [kernel.wait_snapshot(d.msg_id) for d in (normal, patched, frozen)]
+    for row in rows:
+        assert before <= row["started_at"] <= after
+    assert rows[0]["started_at"] <= rows[1]["started_at"] <= rows[2]["started_at"]
+    # The wall time of the frozen cell is its sleep, as for the one before the patch.
+    assert 0.2 <= rows[0]["wall_time"] < 60 and 0.2 <= rows[2]["wall_time"] < 60
+    with kernel.store() as store:
+        snapshot = store.get_snapshot(rows[2]["id"])
+    assert snapshot is not None and before <= snapshot["created_at"] <= after
 
 
 def test_interrupted_status(kernel):

@@ -9,6 +9,7 @@ import base64
 import json
 import os
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jupyter_client.jsonutil import json_default
@@ -373,3 +374,84 @@ def test_any_payload_is_recorded_or_stubbed_with_a_reason(kernel, how, mime, pay
     else:
         # The kernel could not send it (the person saw an error): a stub says why.
         assert row["status"] == "error"
+
+
+# Cells with clear_output, and the outputs a notebook keeps of them (nbclient 0.11's
+# NotebookClient.clear_output/output, and JupyterLab's OutputAreaModel, do the same): a clear
+# with wait=True empties the cell's outputs just before its next output (stream, display,
+# result, error; not an update of a display, which changes one in place), and clears nothing
+# if no output follows it in the cell.
+CLEARS = [
+    (
+        "print('x1'); clear_output(wait=True); print('x2')",
+        [{"output_type": "stream", "name": "stdout", "text": "x2\n"}],
+    ),
+    (
+        "print('x1'); clear_output(); print('x2')",
+        [{"output_type": "stream", "name": "stdout", "text": "x2\n"}],
+    ),
+    (
+        "print('x1'); clear_output(wait=True)",
+        [{"output_type": "stream", "name": "stdout", "text": "x1\n"}],
+    ),
+    (
+        "display('d1'); clear_output(wait=True); display('d2'); clear_output(wait=True); 'r'",
+        [
+            {
+                "output_type": "execute_result",
+                "execution_count": None,
+                "data": {"text/plain": "'r'"},
+                "metadata": {},
+            }
+        ],
+    ),
+    (
+        "h = display('a', display_id=True); clear_output(wait=True); h.update('b')",
+        [
+            {"output_type": "display_data", "data": {"text/plain": "'a'"}, "metadata": {}},
+            {
+                "output_type": "display_data",
+                "data": {"text/plain": "'b'"},
+                "metadata": {"themisto": {"update": True}},
+            },
+        ],
+    ),
+    (
+        "h = display('a', display_id=True); clear_output(wait=True); h.update('b'); print('c')",
+        [{"output_type": "stream", "name": "stdout", "text": "c\n"}],
+    ),
+    ("print('x1'); clear_output(wait=True); 1 / 0", ["ZeroDivisionError"]),
+]
+
+
+@pytest.mark.parametrize(("code", "kept"), CLEARS)
+def test_clear_output_keeps_what_a_notebook_keeps(kernel, code, kept):
+    done = kernel.run("from IPython.display import clear_output, display\n" + code)
+    # The frontend was sent every output, the cleared ones too.
+    assert len(done.outputs) >= len(kept)
+    row = kernel.execution(done.msg_id)
+    outputs = row["outputs"]
+    if kept and kept[0] == "ZeroDivisionError":
+        assert [(o["output_type"], o.get("ename")) for o in outputs] == [
+            ("error", "ZeroDivisionError")
+        ]
+        return
+    for out in outputs:
+        if out["output_type"] == "execute_result":
+            assert out["execution_count"] == row["execution_count"]
+            out["execution_count"] = None
+    assert outputs == kept
+
+
+def test_a_progress_loop_records_its_last_frame_whole(kernel):
+    done = kernel.run(
+        "from IPython.display import clear_output\n"
+        "for epoch in range(60):\n"
+        "    clear_output(wait=True)\n"
+        "    print(f'epoch {epoch} loss {1/(epoch+1):.4f} ' + 'x' * 4000)\n"
+        "print('FINAL: training done')"
+    )
+    sent = "".join(o["text"] for o in done.of("stream"))
+    assert sent.count("epoch ") == 60 and len(sent) > 64 * 1024  # over max_output_bytes
+    (out,) = kernel.execution(done.msg_id)["outputs"]
+    assert out["text"] == f"epoch 59 loss {1 / 60:.4f} " + "x" * 4000 + "\nFINAL: training done\n"

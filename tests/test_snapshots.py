@@ -6,6 +6,7 @@ import os
 import pickle
 import signal
 import sqlite3
+import time
 import types
 
 import numpy as np
@@ -740,5 +741,103 @@ def test_an_inline_snapshot_waits_for_another_process_writing(tmp_path):
         assert row["snapshot_status"] in ("ok", "partial"), row
         assert k.variables(done.msg_id)["held"]["blob_hash"]
         k.run("p.wait()")
+    finally:
+        k.shutdown()
+
+
+BASE_EXCEPTIONS = (
+    "class Raising:\n"
+    "    def __init__(self, error): self.error = error\n"
+    "    def __reduce__(self):\n"
+    "        open({calls!r}, 'a').write(type(self.error).__name__[0])\n"
+    "        raise self.error\n"
+    "    def __repr__(self):\n"
+    "        raise self.error\n"
+    "exits = Raising(SystemExit(0))\n"
+    "interrupts = Raising(KeyboardInterrupt('from __reduce__'))\n"
+    "closes = Raising(GeneratorExit())\n"
+    "x = 1"
+)
+
+
+@pytest.mark.parametrize("mode", ["fork", "inline"])
+def test_a_variable_whose_pickling_raises_a_base_exception_is_a_stub(tmp_path, mode):
+    calls = tmp_path / "reduce-calls.txt"
+    k = RecordingKernel(
+        tmp_path / f"{mode}.sqlite",
+        [f"--ThemistoRecorder.snapshot_mode={mode}", "--ThemistoRecorder.snapshot_delay=0"],
+    )
+    try:
+        first = k.run(BASE_EXCEPTIONS.format(calls=str(calls)))
+        v = k.variables(first.msg_id)
+        row = k.wait_snapshot(first.msg_id)
+        # The namespace is recorded; each of the three is a stub saying why.
+        assert row["snapshot_status"] == "partial"
+        assert v["exits"]["stub_reason"] == "unpicklable: SystemExit: 0"
+        assert v["interrupts"]["stub_reason"] == "unpicklable: KeyboardInterrupt: from __reduce__"
+        assert v["closes"]["stub_reason"] == "unpicklable: GeneratorExit: "
+        for name, error in [
+            ("exits", "SystemExit"),
+            ("interrupts", "KeyboardInterrupt"),
+            ("closes", "GeneratorExit"),
+        ]:
+            assert v[name]["blob_hash"] is None
+            assert v[name]["summary"]["repr"] == f"<repr failed: {error}>"  # its __repr__
+        assert v["x"]["blob_hash"] is not None
+        with k.store() as store:
+            assert store.get_snapshot(row["id"])["mode"] == mode
+        assert sorted(calls.read_text()) == ["G", "K", "S"]
+        # The next cells' snapshots too, the stubs remembered (not tried again).
+        for code in ("y = 2", "x = 3"):
+            step = k.run(code)
+            v = k.variables(step.msg_id)
+            assert k.wait_snapshot(step.msg_id)["snapshot_status"] == "partial"
+            assert v["exits"]["stub_reason"] == "unpicklable: SystemExit: 0"
+            assert v["exits"]["changed"] is False and v["interrupts"]["changed"] is False
+        assert v["x"]["blob_hash"] is not None and v["y"]["blob_hash"] is not None
+        assert sorted(calls.read_text()) == ["G", "K", "S"]
+        # The kernel goes on as before: no exit, no interrupt.
+        assert k.run("print(x + y)").outputs == [("stream", {"name": "stdout", "text": "5\n"})]
+    finally:
+        k.shutdown()
+
+
+def test_pressing_interrupt_during_an_inline_snapshot_still_stops_it(tmp_path):
+    """A real interrupt is not taken for one raised by a variable's own code: the snapshot it
+    lands in stops and is marked failed, as before; the kernel and the recorder go on."""
+    started = tmp_path / "reduce-started.txt"
+    k = RecordingKernel(
+        tmp_path / "interrupted.sqlite",
+        [
+            "--ThemistoRecorder.snapshot_mode=inline",
+            # The snapshot is taken before the reply, while ipykernel handles the request:
+            # SIGINT raises KeyboardInterrupt there (after the reply it is ignored).
+            "--ThemistoRecorder.defer_writes=False",
+            "--ThemistoRecorder.max_variable_seconds=120",
+        ],
+    )
+    try:
+        msg_id = k.send(
+            "import time\n"
+            "class Slow:\n"
+            "    def __reduce__(self):\n"
+            f"        open({str(started)!r}, 'w').close()\n"
+            "        time.sleep(60)\n"
+            "        return (Slow, ())\n"
+            "slow = Slow()"
+        )
+        _wait_for(started.exists)
+        t0 = time.monotonic()
+        k.km.interrupt_kernel()
+        done = k.collect(msg_id)
+        assert time.monotonic() - t0 < 30  # not the 60 s sleep: the snapshot stopped
+        assert done.reply["status"] == "ok"  # the cell itself had finished
+        row = k.wait_snapshot(msg_id)
+        assert row["status"] == "ok"
+        assert row["snapshot_status"] == "failed"
+        with k.store() as store:
+            assert store.get_snapshot(row["id"])["detail"].startswith("KeyboardInterrupt")
+        after = k.run("del slow\nz = 1")
+        assert k.variables(after.msg_id)["z"]["blob_hash"] is not None
     finally:
         k.shutdown()

@@ -12,6 +12,11 @@ What is captured, and from where (ipykernel >= 7.3, IPython >= 9.1):
   message unchanged: the person sees exactly what they would without the recorder.
 - `error`: IPython's `history_manager.exceptions[execution_count]` (ename, evalue, traceback),
   else formatted from the exception.
+- `clear_output`: recorded as what the notebook keeps, as nbclient and JupyterLab apply it: the
+  outputs so far vanish at once, or, with `wait=True`, just before the cell's next output
+  arrives (the progress-bar pattern keeps only the last frame); a `wait=True` clear with no
+  output after it in the cell clears nothing (`clear_pending` then says so, for the error
+  output the recorder adds after the cell: it comes after the clear).
 
 Bounds: a text value longer than `max_output_bytes` keeps its head and ends with the visible
 marker `TRUNCATION_MARKER`; the execution's inline total is bounded by `max_execution_bytes`
@@ -108,6 +113,8 @@ class OutputCapture:
         self.shell = shell
         self.outputs: list[dict[str, Any]] = []
         self.active = False
+        # A `clear_output(wait=True)` waiting for the next output (see the module doc).
+        self.clear_pending = False
         self._wrapped: dict[str, tuple[Any, Callable[..., Any], Callable[..., Any]]] = {}
 
     # -- life cycle --------------------------------------------------------------------------
@@ -132,6 +139,7 @@ class OutputCapture:
 
     def start(self) -> None:
         self.outputs = []
+        self.clear_pending = False
         self.active = True
         for name in ("stdout", "stderr"):
             self._wrap_stream(name)
@@ -185,11 +193,18 @@ class OutputCapture:
         if getattr(shell, "showing_traceback", False):
             return
         text = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
-        last = self.outputs[-1] if self.outputs else None
+        last = self.outputs[-1] if self.outputs and not self.clear_pending else None
         if last is not None and last["output_type"] == "stream" and last["name"] == name:
             last["_parts"].append(text)
         else:
-            self.outputs.append({"output_type": "stream", "name": name, "_parts": [text]})
+            self._add({"output_type": "stream", "name": name, "_parts": [text]})
+
+    def _add(self, out: dict[str, Any]) -> None:
+        """A new output: a `clear_output(wait=True)` before it clears the outputs first."""
+        if self.clear_pending:
+            self.outputs.clear()
+            self.clear_pending = False
+        self.outputs.append(out)
 
     def _display_hook(self, msg: Any) -> Any:
         # Only references are kept here (no copy on the person's time): the writer thread packs
@@ -207,16 +222,22 @@ class OutputCapture:
                             **(mine if isinstance(mine, dict) else {}),
                             "update": True,
                         }
-                    self.outputs.append(
-                        {
-                            "output_type": "display_data",
-                            "data": content.get("data"),
-                            "metadata": meta,
-                        }
-                    )
+                    out = {
+                        "output_type": "display_data",
+                        "data": content.get("data"),
+                        "metadata": meta,
+                    }
+                    if kind == "update_display_data":
+                        # Not an output of its own for the frontend (it changes one in place):
+                        # a clear waiting for the next output still waits.
+                        self.outputs.append(out)
+                    else:
+                        self._add(out)
                 elif kind == "clear_output":
-                    # Recorded as what a notebook would keep: the outputs shown so far vanish.
-                    if not content.get("wait"):
+                    # Recorded as what a notebook would keep (see the module doc).
+                    if content.get("wait"):
+                        self.clear_pending = True
+                    else:
                         self.outputs.clear()
         except Exception as e:
             self._lost_output(e)
@@ -226,7 +247,7 @@ class OutputCapture:
         try:
             if self.active and isinstance(msg, dict):
                 content = msg.get("content") or {}
-                self.outputs.append(
+                self._add(
                     {
                         "output_type": "execute_result",
                         "execution_count": content.get("execution_count"),
@@ -240,7 +261,7 @@ class OutputCapture:
 
     def _lost_output(self, error: BaseException) -> None:
         try:
-            self.outputs.append(unrecorded_output(None, error))
+            self._add(unrecorded_output(None, error))
         except Exception:
             pass
 
@@ -253,7 +274,8 @@ def drain_fd_pipes(budget: float = 0.02) -> None:
     Waits at most `budget` seconds, only while a pipe has unread bytes.
     """
     import select
-    import time
+
+    from .. import _clock as time
 
     fids: list[int] = [
         f

@@ -16,15 +16,15 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import time
 import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from traitlets import Bool, Enum, Float, Int, Unicode, default, observe, validate
+from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, default, observe, validate
 from traitlets.config import LoggingConfigurable
 
+from .. import _clock as time
 from ..redaction import DEFAULT_SECRET_PATTERN, KernelSecrets, compile_pattern, redact_source
 from . import resources
 from .outputs import OutputCapture, as_sent, drain_fd_pipes, error_output, finalize_outputs
@@ -176,9 +176,36 @@ class ThemistoRecorder(LoggingConfigurable):
     def _snapshot_mode_default(self) -> str:
         return _default_snapshot_mode()
 
+    # Validators raise TraitError: traitlets then keeps the value in use (a `%config` shows the
+    # error); any other exception would leave the rejected value set.
+
     @validate("secret_pattern")
     def _check_pattern(self, proposal: Any) -> str:
-        compile_pattern(proposal["value"])
+        try:
+            compile_pattern(proposal["value"])
+        except ValueError as e:
+            raise TraitError(f"ThemistoRecorder.secret_pattern: {e}") from e
+        return proposal["value"]
+
+    @validate("max_output_bytes", "max_execution_output_bytes")
+    def _check_bound(self, proposal: Any) -> int:
+        name, value = proposal["trait"].name, proposal["value"]
+        if value < 1:
+            raise TraitError(f"ThemistoRecorder.{name} must be at least 1 (bytes), not {value}")
+        return value
+
+    @validate("store_path")
+    def _check_store_path(self, proposal: Any) -> str:
+        # The store is fixed once the recorder opens it (as it starts recording). (Compared
+        # with the value it was fixed from: while traitlets validates a `%config`, the trait
+        # already holds the value proposed.)
+        fixed = getattr(self, "_store_file", None)
+        if fixed is not None and proposal["value"] != self._store_from:
+            raise TraitError(
+                "ThemistoRecorder.store_path takes effect only when the kernel starts: this "
+                f"kernel records to {fixed} (set it in the kernel's configuration, or "
+                "$THEMISTO_STORE, and restart the kernel)"
+            )
         return proposal["value"]
 
     def __init__(self, shell: Any, **kwargs: Any) -> None:
@@ -210,6 +237,7 @@ class ThemistoRecorder(LoggingConfigurable):
         self._handler_patch: tuple[Any, Any, Any] | None = None
         self.owner: str | None = None
         self._store_file: Path | None = None
+        self._store_from = ""
         from .snapshot_manager import SnapshotManager
 
         self.snapshots = SnapshotManager(self)
@@ -222,11 +250,8 @@ class ThemistoRecorder(LoggingConfigurable):
             from ..store import resolve_store_path
 
             self._store_file = resolve_store_path(self.store_path or None)
+            self._store_from = self.store_path
         return self._store_file
-
-    @observe("store_path")
-    def _store_path_changed(self, change: Any) -> None:
-        self._store_file = None
 
     @property
     def store(self) -> Any:
@@ -490,6 +515,13 @@ class ThemistoRecorder(LoggingConfigurable):
             cpu = time.process_time() - current["cpu0"]
             drain_fd_pipes()
             raw_outputs = self.capture.stop()
+            error = getattr(result, "error_before_exec", None) or getattr(
+                result, "error_in_exec", None
+            )
+            if error is not None and self.capture.clear_pending:
+                # The error output (added to them later) is the cell's next output: a
+                # `clear_output(wait=True)` before it clears the outputs before it.
+                raw_outputs = []
             after = resources.rss()
             peak = self.peak.peak(current["memory_before"], after)
             self._pending = {

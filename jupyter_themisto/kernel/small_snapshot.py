@@ -9,10 +9,10 @@ forking; past that time it gives up and the manager forks.
 from __future__ import annotations
 
 import sqlite3
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from .. import _clock as time
 from ..references import inspectable, library_class, library_reference
 from .pickling import NotInKernel, TooSlow, small_value, time_limit
 from .snapshot_writer import snapshot_status

@@ -20,10 +20,10 @@ import gc
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .. import _clock as time
 from .snapshot_writer import SnapshotWriter
 from .variables import user_variables
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import gc
 import os
 import threading
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .. import _clock as time
 from .prefault import prefault
 from .small_snapshot import SmallSnapshots
 from .snapshot_child import SnapshotChild, failure_reason, run_child, wait_child

@@ -25,10 +25,10 @@ Per variable, in this order:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import _clock as time
 from ..redaction import REDACTED_REASON, KernelSecrets, is_secret_name, stub_variable
 from ..references import library_reference
 from .pickling import (
@@ -36,6 +36,7 @@ from .pickling import (
     Refused,
     TooLarge,
     TooSlow,
+    interrupt_watch,
     refusal,
     serialize,
     small_value,
@@ -236,43 +237,48 @@ class SnapshotWriter:
                 changed=True,
             )
             return rec
-        try:
-            if vetted is not None:
-                data, codec = vetted
-            else:
-                with time_limit(self.max_variable_seconds):
-                    data, codec = serialize(value, max_bytes=self.max_variable_bytes)
-        except Refused as e:
-            rec.update(stub_reason=str(e), changed=True)
-            return rec
-        except TooLarge as e:
-            rec.update(
-                fingerprint=ident,
-                size=e.args[0] if e.args else None,
-                stub_reason=f"too large: over {self.max_variable_bytes} bytes serialized "
-                "(summarized only)",
-                changed=True,
-            )
-            return rec
-        except TooSlow:
-            if self.strict:
-                raise  # the kernel's budget: a child serializes it
-            rec.update(
-                fingerprint=ident,
-                stub_reason=f"too slow: over {self.max_variable_seconds}s to serialize "
-                "(summarized only)",
-                changed=True,
-            )
-            return rec
-        except BaseException as e:  # noqa: B036 - unpicklable: any error makes a stub
-            if isinstance(e, (SystemExit, KeyboardInterrupt)):
-                raise
-            rec.update(
-                fingerprint=ident,
-                stub_reason=f"unpicklable: {type(e).__name__}: {str(e)[:200]}",
-                changed=True,
-            )
-            return rec
+        # (Restored after the stub is made: an interrupt arriving meanwhile is a real one.)
+        with interrupt_watch() as watch:
+            try:
+                if vetted is not None:
+                    data, codec = vetted
+                else:
+                    with time_limit(self.max_variable_seconds):
+                        data, codec = serialize(value, max_bytes=self.max_variable_bytes)
+            except Refused as e:
+                rec.update(stub_reason=str(e), changed=True)
+                return rec
+            except TooLarge as e:
+                rec.update(
+                    fingerprint=ident,
+                    size=e.args[0] if e.args else None,
+                    stub_reason=f"too large: over {self.max_variable_bytes} bytes serialized "
+                    "(summarized only)",
+                    changed=True,
+                )
+                return rec
+            except TooSlow:
+                if self.strict:
+                    raise  # the kernel's budget: a child serializes it
+                rec.update(
+                    fingerprint=ident,
+                    stub_reason=f"too slow: over {self.max_variable_seconds}s to serialize "
+                    "(summarized only)",
+                    changed=True,
+                )
+                return rec
+            except BaseException as e:  # noqa: B036 - unpicklable: any error makes a stub
+                # SystemExit, GeneratorExit, a KeyboardInterrupt raised by the value's own code
+                # (its __reduce__) included; only the person pressing interrupt stops the
+                # snapshot (the manager marks it failed, as it marks any snapshot that raised).
+                if isinstance(e, KeyboardInterrupt) and watch.interrupted:
+                    raise
+                rec.update(
+                    fingerprint=ident,
+                    stub_reason=f"unpicklable: {type(e).__name__}: {str(e)[:200]}",
+                    changed=True,
+                )
+                return rec
         if self._holds_secret(rec, data=data):
             return rec
         summary["codec"] = codec

@@ -50,10 +50,15 @@ def _short_repr(value: Any, limit: int) -> str:
     r.maxother = limit
     r.maxlist = r.maxtuple = r.maxset = r.maxfrozenset = r.maxdeque = r.maxarray = 10
     r.maxdict = 10
-    try:
-        text = r.repr(value)
-    except Exception as e:
-        return f"<repr failed: {type(e).__name__}>"
+    from .pickling import interrupt_watch
+
+    with interrupt_watch() as watch:
+        try:
+            text = r.repr(value)
+        except BaseException as e:  # noqa: B036 - the value's own __repr__: SystemExit too
+            if isinstance(e, KeyboardInterrupt) and watch.interrupted:
+                raise  # the person pressed interrupt (see pickling.interrupt_watch)
+            return f"<repr failed: {type(e).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

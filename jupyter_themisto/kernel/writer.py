@@ -43,12 +43,13 @@ from __future__ import annotations
 import queue
 import sqlite3
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+
+from .. import _clock as time
 
 # How long one attempt may wait for a lock held by another writer (a snapshot child), and how
 # long a locked store is retried before an execution counts as lost.

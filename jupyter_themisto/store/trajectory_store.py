@@ -7,7 +7,6 @@ import json
 import os
 import sqlite3
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from typing import Any
 
 import zstandard
 
+from .. import _clock as time
 from . import processes
 from .schema import migrate as migrate_schema
 from .schema import record_digest
