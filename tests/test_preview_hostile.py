@@ -624,6 +624,15 @@ CELLS: list[tuple[str, str]] = [
         "an abstract unix socket listening",
         "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0@MARK@-listen'); u.listen(1)\nprint('listening')",
     ),
+    # -- the reply channel --------------------------------------------------------------------
+    (
+        "a forged reply of the wrong shapes written to the reply pipe",
+        "import json, stat\nforged = {'outputs': 5, 'stopped': ['x\\n[I ServerApp] forged line'], 'status': 'ok', 'sandbox': {'a': 1}, 'times': {'ran': 'x'}, 'cpu_bound': 'x'}\nfor fd in range(3, 256):\n    try:\n        if stat.S_ISFIFO(os.fstat(fd).st_mode):\n            os.write(fd, b'\\n' + json.dumps(forged).encode() + b'\\n\\x04')\n    except OSError:\n        pass\nos._exit(0)",
+    ),
+    (
+        "innocent: a NaN in a display's metadata",
+        "from IPython.display import display\ndisplay({'text/plain': 'shown'}, metadata={'m': float('nan')}, raw=True)",
+    ),
     # -- bounds: memory, reply, time, processes ----------------------------------------------
     (
         "memfd beyond the memory bound",
@@ -969,6 +978,8 @@ EXPECT = {
     "innocent: read the next line of an open file": "line 1\nTrue",
     "innocent: iterate an open file to its end": "1999",
     "innocent: seek an open file": "line 0",
+    "a forged reply of the wrong shapes written to the reply pipe": "x [I ServerApp] forged line",
+    "innocent: a NaN in a display's metadata": "shown",
 }
 
 
@@ -981,6 +992,7 @@ def test_the_hostile_suite_is_broad():
 def test_no_escape(world, name, cell):
     k = world.kernel
     before = observe(world)
+    last_error = k.value("repr(getattr(sys, 'last_value', None))")
     seen = len(k.iopub)
     limits: dict[str, Any] = {"timeout": BOUNDED.get(name, 3.0), "memory_mb": 512}
     if name in CPU_SECONDS:
@@ -1012,6 +1024,8 @@ def test_no_escape(world, name, cell):
     assert after == before, json.dumps(diff, indent=1, default=str)
     # Nothing reached iopub but the previews' own busy/idle; the kernel answers as before.
     assert k.value("canary") == "'alive'"
+    # (an error of the kernel's own formatting of the reply would be the person's %debug next)
+    assert k.value("repr(getattr(sys, 'last_value', None))") == last_error
     foreign = [m for m in k.iopub[seen:] if m["msg_type"] != "status"]
     assert foreign == [], foreign
     assert not any(MARK in str(m["content"]) or "ESCAPED" in str(m["content"]) for m in k.iopub)

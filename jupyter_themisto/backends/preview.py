@@ -336,7 +336,10 @@ class PreviewPredictor(Predictor):
                     "take long"
                 )
                 code, details = "preview_cpu_bound", {"seconds": cpu}
-            self.env.log.info("themisto: %s", why)
+            # (not `why`: the reasons quote what the cell chose, which the person sees; a log
+            # line of the server's must be neither forged by a cell nor hold its values)
+            told = code or f"{len(stopped) or 'no'} reason(s), told in the answer"
+            self.env.log.info("themisto: a preview stopped: %s", told)
             fallback = self._fallback_backend()
             if fallback is None:
                 raise NoPrediction(f"{why} (no fallback backend configured)", code, details)

@@ -23,6 +23,7 @@ import importlib
 import io
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -83,7 +84,9 @@ class PreviewReply(dict):
         return dict(self)
 
     def __repr__(self) -> str:
-        return f"<preview: {len(self.get('outputs', []))} outputs, stopped={self.get('stopped')}>"
+        outputs, stopped = self.get("outputs"), self.get("stopped")
+        n = len(outputs) if isinstance(outputs, list) else 0
+        return f"<preview: {n} outputs, stopped={stopped if isinstance(stopped, list) else []}>"
 
 
 class _Outputs:
@@ -853,6 +856,72 @@ class _Watch:
                     return
 
 
+_STATUSES = ("ok", "failed", "unsupported")
+_DISPLAYS = ("display_data", "update_display_data", "execute_result")
+# Characters that would start a new line or a terminal sequence where a text is logged or shown
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+
+
+def _checked(raw: dict[str, Any]) -> dict[str, Any]:
+    """The child's reply with only the fields the kernel expects, of the types it expects. The
+    cell runs in that process and may write a reply of its own: the kernel passes on nothing of
+    it unchecked (a field of another type would fail the kernel's own formatting of the reply,
+    and show the person an error that is not theirs)."""
+    out: dict[str, Any] = {"status": raw.get("status") if raw.get("status") in _STATUSES else "ok"}
+    if isinstance(raw.get("detail"), str):
+        out["detail"] = _CONTROL.sub(" ", raw["detail"])[:2000]
+    outputs = raw.get("outputs")
+    out["outputs"] = [o for o in outputs if _valid_output(o)] if isinstance(outputs, list) else []
+    stopped = raw.get("stopped")
+    out["stopped"] = [
+        _CONTROL.sub(" ", s)[:500]
+        for s in (stopped if isinstance(stopped, list) else [])[:20]
+        if isinstance(s, str)
+    ]
+    state = raw.get("sandbox")
+    out["sandbox"] = {
+        str(k)[:100]: _CONTROL.sub(" ", v)[:500]
+        for k, v in (state.items() if isinstance(state, dict) else ())
+        if isinstance(v, str)
+    }
+    for key in ("setup_ms", "cell_time"):
+        if type(raw.get(key)) in (int, float):
+            out[key] = float(raw[key])
+    if raw.get("truncated") is True:
+        out["truncated"] = True
+    if type(raw.get("cpu_bound")) is int:
+        out["cpu_bound"] = raw["cpu_bound"]
+    times = raw.get("times")
+    if isinstance(times, dict) and all(type(v) is float for v in times.values()):
+        out["times"] = times
+    return out
+
+
+def _valid_output(o: Any) -> bool:
+    """Whether `o` is an output as the preview's child writes them (nbformat's shapes)."""
+    if not isinstance(o, dict):
+        return False
+    kind = o.get("output_type")
+    if kind == "stream":
+        return o.get("name") in ("stdout", "stderr") and isinstance(o.get("text"), str)
+    if kind in _DISPLAYS:
+        data = o.get("data")
+        return (
+            isinstance(data, dict)
+            and all(isinstance(v, (str, dict, list)) for v in data.values())
+            and isinstance(o.get("metadata", {}), dict)
+        )
+    if kind == "error":
+        tb = o.get("traceback")
+        return (
+            isinstance(o.get("ename"), str)
+            and isinstance(o.get("evalue"), str)
+            and isinstance(tb, list)
+            and all(isinstance(line, str) for line in tb)
+        )
+    return False
+
+
 def _describe_status(
     status: int | None,
     timeout: float,
@@ -1051,12 +1120,16 @@ def _preview(
     # into the pipe before it is not the reply.
     last = bytes(watch.reply).removesuffix(REPLY_END).rstrip().rpartition(b"\n")[2]
     try:
-        reply = json.loads(last) if last else {}
+        # (NaN and infinities, which a display's metadata may hold, are not JSON: they would
+        # fail the kernel's own message to the server)
+        reply = json.loads(last, parse_constant=lambda _: None) if last else {}
     except (ValueError, RecursionError):
         reply = None
     garbled = not isinstance(reply, dict)
     if garbled:
         reply = {}
+    elif reply:
+        reply = _checked(reply)
     if not reply or watch.killed:
         partial = reply
         what = _describe_status(
