@@ -624,6 +624,10 @@ CELLS: list[tuple[str, str]] = [
         "an abstract unix socket listening",
         "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0@MARK@-listen'); u.listen(1)\nprint('listening')",
     ),
+    (
+        "a lease on a file the kernel reads",
+        "import fcntl\nfd = os.open(rf.name, os.O_RDONLY)\ntry:\n    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n    print('leased')\nexcept OSError as e:\n    print('refused', errno.errorcode[e.errno])",
+    ),
     # -- the reply channel --------------------------------------------------------------------
     (
         "a forged reply of the wrong shapes written to the reply pipe",
@@ -980,6 +984,7 @@ EXPECT = {
     "innocent: seek an open file": "line 0",
     "a forged reply of the wrong shapes written to the reply pipe": "x [I ServerApp] forged line",
     "innocent: a NaN in a display's metadata": "shown",
+    "a lease on a file the kernel reads": "refused EPERM",
 }
 
 

@@ -639,7 +639,7 @@ open openat openat2 creat stat fstat lstat newfstatat statx fstatfs statfs acces
 faccessat2 getdents getdents64 readlink readlinkat getcwd chdir fchdir mkdir mkdirat rmdir unlink
 unlinkat rename renameat renameat2 link linkat symlink symlinkat chmod fchmod fchmodat fchmodat2
 chown fchown lchown fchownat utime utimes utimensat futimesat truncate ftruncate fallocate fsync
-fdatasync sync_file_range fadvise64 readahead flock fcntl dup dup2 dup3 pipe pipe2 mknod mknodat
+fdatasync sync_file_range fadvise64 readahead flock dup dup2 dup3 pipe pipe2 mknod mknodat
 umask getxattr lgetxattr fgetxattr listxattr llistxattr flistxattr setxattr lsetxattr fsetxattr
 removexattr lremovexattr fremovexattr getxattrat listxattrat setxattrat removexattrat sendfile
 splice tee copy_file_range memfd_create inotify_init inotify_init1 inotify_add_watch
@@ -692,6 +692,7 @@ _NAMESPACE_FLAGS = (
     CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
 ) | CLONE_NEWCGROUP
 _TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
+_F_SETLEASE = 1024
 
 _programs: dict[bool, bytes] = {}
 
@@ -723,6 +724,9 @@ def seccomp_program(processes: bool) -> bytes:
     for family in _SOCKET_FAMILIES:
         rule(allow, "socket", sc.Arg(0, sc.EQ, family))
     rule(allow, "socketpair", sc.Arg(0, sc.EQ, socket.AF_UNIX))
+    # Any fcntl but a lease: one on a real file (beside a mount point, read-only) would hold
+    # up the writers outside until the preview ends.
+    rule(allow, "fcntl", sc.Arg(1, sc.NE, _F_SETLEASE))
     # send() with no address: to the peer of a socket pair; never to an address
     rule(allow, "sendto", sc.Arg(4, sc.EQ, 0))
     # Any ioctl but faking terminal input (one comparison per rule: libseccomp's limit).
