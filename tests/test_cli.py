@@ -145,6 +145,55 @@ def test_record_stops_at_an_error_without_allow_errors(tmp_path):
     ]
 
 
+def test_record_goes_on_with_the_next_notebook_when_nbclient_fails_mid_notebook(tmp_path):
+    """nbclient itself raising on what a cell sent back (here a display bundle nbformat rejects,
+    which a frontend would show) used to end `record` with a traceback, the notebooks after it
+    never run. That notebook is now reported as stopped with one line, the next one runs, and
+    the exit is 1."""
+    weird = (
+        "from IPython.display import display\n"
+        "display({'application/x-weird': {'a': 1}, 'text/plain': 'weird'}, raw=True)"
+    )
+    bad = write_notebook(tmp_path / "bad.ipynb", ["a = 1", weird, "print('after')"])
+    good = write_notebook(tmp_path / "good.ipynb", SECOND)
+    store = tmp_path / "s.sqlite"
+    assert not store.exists()
+    r = cli("record", str(bad), str(good), store=store)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    (said,) = [line for line in r.stderr.splitlines() if "stopped:" in line]
+    assert said.startswith(f"{bad}: trajectory ") and said.endswith(
+        "stopped: cell 2: nbclient failed: NotebookValidationError: {'a': 1} is not valid under"
+        " any of the given schemas"
+    ), said
+    assert f"{good}: trajectory " in r.stdout and "4 cells recorded" in r.stdout
+    with TrajectoryStore(store, readonly=True) as s:
+        trajs = _by_notebook(s)
+        assert set(trajs) == {"bad.ipynb", "good.ipynb"}
+        # The cells up to the one nbclient failed on are recorded; none after it ran.
+        assert [e["source"] for e in s.list_executions(trajs["bad.ipynb"]["id"])] == [
+            "a = 1",
+            weird,
+        ]
+        assert [e["source"] for e in s.list_executions(trajs["good.ipynb"]["id"])] == SECOND
+
+
+def test_record_refuses_a_notebook_whose_cell_source_is_not_text(tmp_path):
+    """A code cell whose "source" is a number passes nbformat's reading and made nbclient fail
+    mid-notebook (an empty trajectory, the next notebooks never run): it is refused up front,
+    like any other malformed notebook, before any kernel starts."""
+    good = write_notebook(tmp_path / "good.ipynb", SECOND)
+    numbered = tmp_path / "numbered.ipynb"
+    nb = json.loads(good.read_text())
+    nb["cells"][2]["source"] = 42
+    numbered.write_text(json.dumps(nb))
+    store = tmp_path / "s.sqlite"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    msg = _one_line_error(cli("record", str(good), str(numbered), store=store))
+    assert msg.endswith(f"{numbered} is not a Jupyter notebook: cell 2's source is int, not text")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no store: nothing ran
+
+
 # A cell that takes the store's write lock (and keeps it, as `held`), with the recorder told to
 # wait for a lock 0.2 s instead of 10 s before an execution counts as lost.
 LOCK_THE_STORE = (
