@@ -994,6 +994,67 @@ def test_bad_inputs(recorded, dump, tmp_path):
     assert r.returncode == 2 and "usage" in r.stderr
 
 
+def test_evaluate_refuses_a_damaged_dump_naming_the_file_and_line(dump, tmp_path):
+    """A dump cut short or damaged by hand used to be scored silently (a file cut to 5 rows
+    gave n=5, exit 0, where dump.json counts more) or to end in a traceback naming no file (a
+    line that is not JSON, a null target). Each is now one line naming the file and the line
+    (or the counts), exit 2, and no results folder."""
+    lines = {
+        name: (dump / f"{name}.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+        for name in ("executions", "output")
+    }
+    counts = json.loads((dump / "dump.json").read_text())["counts"]
+    assert len(lines["output"]) == counts["output"] > 5
+    assert len(lines["executions"]) == counts["executions"] > 5
+
+    def damaged(name: str, text: str) -> Path:
+        copy = tmp_path / f"dump-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(dump, copy)
+        (copy / f"{name}.jsonl").write_text(text, encoding="utf-8")
+        return copy
+
+    def evaluate(folder: Path) -> subprocess.CompletedProcess:
+        out = folder / "results"
+        return cli("evaluate", str(folder), "--backend", "retrieval", "--task", "output",
+                   "--out", str(out))  # fmt: skip
+
+    # Before: an untouched copy evaluates every instance.
+    intact = damaged("output", "".join(lines["output"]))
+    r = evaluate(intact)
+    assert r.returncode == 0, r.stderr
+    assert f"n={counts['output']} " in r.stdout, r.stdout
+
+    def refused(name: str, text: str) -> str:
+        folder = damaged(name, text)
+        r = evaluate(folder)
+        assert r.returncode == 2, r.stderr
+        msg = _one_line_error(r)
+        assert msg.startswith(f"jupyter-themisto: error: the dump is damaged: {folder}/"), msg
+        assert not (folder / "results").exists()
+        return msg.split(f"{folder}/", 1)[1]
+
+    output, executions = lines["output"], lines["executions"]
+    assert refused("output", "".join(output[:5])) == (
+        f"output.jsonl: 5 output rows, dump.json counts {counts['output']} "
+        "(cut short or changed since it was exported?)"
+    )
+    assert refused("executions", "".join(executions[:5])).startswith(
+        f"executions.jsonl: 5 executions rows, dump.json counts {counts['executions']} "
+    )
+    cut = "".join(executions[:5]) + executions[5][:40]
+    assert refused("executions", cut).startswith("executions.jsonl line 6: not valid JSON (")
+    n = len(output) + 1
+    said = refused("output", "".join(output) + "not json\n")
+    assert said == f"output.jsonl line {n}: not valid JSON (Expecting value)", said
+    row = json.loads(output[2])
+    null_target = "".join(output[:2] + [json.dumps({**row, "target": None}) + "\n"] + output[3:])
+    assert refused("output", null_target) == "output.jsonl line 3: 'target' is null, not a string"
+    renamed = json.loads(output[0])
+    renamed["src"] = renamed.pop("source")
+    said = refused("output", json.dumps(renamed) + "\n" + "".join(output[1:]))
+    assert said == "output.jsonl line 1: no 'source' field", said
+
+
 def _old_store(path: Path) -> None:
     """A store as jupyter-themisto's first schema (version 1) wrote it: a trajectory, two
     executions, the first with an inline snapshot of one variable."""
