@@ -1055,6 +1055,68 @@ def test_evaluate_refuses_a_damaged_dump_naming_the_file_and_line(dump, tmp_path
     assert said == "output.jsonl line 1: no 'source' field", said
 
 
+def _copy_store(store: Path, to: Path) -> Path:
+    """A copy of a store (through SQLite's backup, so a WAL's pages come too) and its key."""
+    src, dst = sqlite3.connect(store), sqlite3.connect(to)
+    with dst:
+        src.backup(dst)
+    src.close()
+    dst.close()
+    key = Path(f"{store}.key")
+    if key.exists():
+        shutil.copy2(key, f"{to}.key")
+    return to
+
+
+def test_export_and_show_go_on_past_a_row_whose_outputs_are_not_a_list(recorded, tmp_path):
+    """A cell can replace the kernel's `json.dumps`, through which the recorder writes outputs:
+    the row then holds valid JSON that is no list (`"patched"`). `export` and `show` used to end
+    in an AttributeError naming no row, so the whole store could not be exported. Such a row is
+    now told on stderr by its execution id and read with no outputs; the rest is as before."""
+    from jupyter_themisto.dump import read_manifest, read_table
+
+    store = _copy_store(recorded["store"], tmp_path / "s.sqlite")
+    with TrajectoryStore(store, readonly=True) as s:
+        tid = _by_notebook(s)["second.ipynb"]["id"]
+        upper = next(e for e in s.list_executions(tid) if e["source"] == "word.upper()")
+    assert upper["outputs"][0]["data"]["text/plain"] == "'HELLO'"
+
+    def export(out: Path) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
+        r = cli("export", "--out", str(out), store=store)
+        assert r.returncode == 0, r.stderr
+        rows = read_table(out, read_manifest(out), "executions")
+        return r, {row["execution_id"]: row for row in rows}
+
+    r, before = export(tmp_path / "before")
+    assert "warning" not in r.stderr and "HELLO" in before[upper["id"]]["output_text"]
+    r = cli("show", tid, store=store)
+    assert r.returncode == 0 and "HELLO" in r.stdout and "warning" not in r.stderr
+
+    with sqlite3.connect(store) as db:
+        db.execute("UPDATE executions SET outputs = ? WHERE id = ?", ('"patched"', upper["id"]))
+    db.close()
+    warning = (
+        f"jupyter-themisto: warning: execution {upper['id']} (trajectory {tid}, order"
+        f" {upper['order_index']}) has damaged outputs in the store (a JSON string, not a list"
+        " of outputs): exported with none"
+    )
+    r, after = export(tmp_path / "after")
+    assert "Traceback" not in r.stderr and warning in r.stderr.splitlines(), r.stderr
+    assert sorted(after) == sorted(before)
+    assert (after[upper["id"]]["outputs"], after[upper["id"]]["output_text"]) == ("[]", "")
+    del after[upper["id"]], before[upper["id"]]
+    assert after == before  # every other row exported as before
+    for args in ((), ("--json",)):
+        r = cli("show", tid, *args, store=store)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        (said,) = r.stderr.strip().splitlines()
+        assert said.startswith(f"jupyter-themisto: warning: execution {upper['id']} (order ")
+        assert said.endswith("(a JSON string, not a list of outputs): shown with none")
+        assert "word.upper()" in r.stdout and "HELLO" not in r.stdout
+    shown = json.loads(r.stdout)["executions"]
+    assert [e["outputs"] for e in shown if e["id"] == upper["id"]] == [[]]
+
+
 def _old_store(path: Path) -> None:
     """A store as jupyter-themisto's first schema (version 1) wrote it: a trajectory, two
     executions, the first with an inline snapshot of one variable."""

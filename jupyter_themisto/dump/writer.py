@@ -12,6 +12,7 @@ before the recorder replaced them may hold, is written as the frontend showed it
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from .. import redaction
 from .._version import __version__
 from ..console import CliError, progress
-from ..context import outputs_to_text
+from ..context import outputs_problem, outputs_to_text
 from ..files import atomic_dir, write_json
 from ..kernel.outputs import as_sent
 from .schema import (
@@ -47,6 +48,13 @@ def _encodable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_encodable(v) for v in value]
     return value
+
+
+def _warn(message: str) -> None:
+    """A warning on stderr, on its own line below a progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"jupyter-themisto: warning: {message}", file=sys.stderr)
 
 
 def _blob_refs(outputs: Iterable[dict[str, Any]]) -> list[str]:
@@ -83,6 +91,13 @@ def execution_rows(
         return blob_checked[digest]
 
     for e in store.list_executions(trajectory["id"]):
+        problem = outputs_problem(e["outputs"])
+        if problem is not None:
+            _warn(
+                f"execution {e['id']} (trajectory {trajectory['id']}, order {e['order_index']})"
+                f" has damaged outputs in the store ({problem}): exported with none"
+            )
+            e["outputs"] = []
         snap = store.get_snapshot(e["id"]) if snapshots != "none" else None
         variables = store.get_variables(e["id"]) if snap else []
         row = {
