@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -1115,6 +1116,67 @@ def test_export_and_show_go_on_past_a_row_whose_outputs_are_not_a_list(recorded,
         assert "word.upper()" in r.stdout and "HELLO" not in r.stdout
     shown = json.loads(r.stdout)["executions"]
     assert [e["outputs"] for e in shown if e["id"] == upper["id"]] == [[]]
+
+
+def test_export_reads_a_server_recorded_notebook_from_the_root_it_is_given(
+    recorded, dump, tmp_path
+):
+    """A server's kernel records its notebook relative to the server's root, which the store
+    does not keep. `export` used to read such a path from its own working directory: run
+    where another notebook of that name lies, the dump attached that notebook's cells to the
+    trajectory; run elsewhere, none, without a word. It now never reads a relative path from
+    the working directory: without --notebook-root one warning names the trajectory; with it,
+    the notebook's own cells are exported."""
+    from jupyter_themisto.dump import read_manifest, read_table
+
+    store = _copy_store(recorded["store"], tmp_path / "s.sqlite")
+    with TrajectoryStore(store, readonly=True) as s:
+        tid = _by_notebook(s)["analysis.ipynb"]["id"]
+
+    def cells(out: Path) -> dict[str, list]:
+        by: dict[str, list] = {}
+        for c in read_table(out, read_manifest(out), "notebook_cells"):
+            by.setdefault(c["trajectory_id"], []).append((c["position"], c["source"]))
+        return by
+
+    exported = cells(dump)  # before: recorded by `record`, the absolute path
+    assert len(exported[tid]) == len(ANALYSIS) + 1 and len(exported) == 2
+    with sqlite3.connect(store) as db:  # as a server's kernel records it, under its root
+        db.execute("UPDATE trajectories SET notebook_path = 'analysis.ipynb' WHERE id = ?", (tid,))
+    db.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_notebook(elsewhere / "analysis.ipynb", ["print('another notebook')"])
+
+    r = cli("export", "--out", str(tmp_path / "guessed"), store=store, cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    found = cells(tmp_path / "guessed")
+    assert tid not in found  # not the cells of elsewhere/analysis.ipynb
+    assert {k: v for k, v in exported.items() if k != tid} == found  # the other notebook's
+    warnings = [w for w in re.split(r"[\r\n]", r.stderr) if "warning" in w]
+    assert warnings == [
+        f"jupyter-themisto: warning: no notebook_cells for 1 trajectory, the notebook not found"
+        f" (the live setting lacks those cells): {tid} (analysis.ipynb: relative to the server's"
+        " root) (a notebook recorded by a Jupyter server is named relative to the server's root:"
+        " pass --notebook-root DIR, that root)"
+    ], r.stderr
+
+    r = cli("export", "--out", str(tmp_path / "rooted"), "--notebook-root", str(recorded["root"]),
+            store=store, cwd=elsewhere)  # fmt: skip
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    assert cells(tmp_path / "rooted") == exported
+    msg = _one_line_error(
+        cli(
+            "export",
+            "--out",
+            str(tmp_path / "x"),
+            "--notebook-root",
+            str(tmp_path / "no"),
+            store=store,
+        )  # fmt: skip
+    )
+    assert msg.endswith(f"--notebook-root {tmp_path / 'no'}: no such folder")
+    assert not (tmp_path / "x").exists()
 
 
 def _old_store(path: Path) -> None:

@@ -148,17 +148,48 @@ def execution_rows(
         yield row
 
 
-def notebook_cell_rows(trajectory: dict[str, Any], pattern: str | None) -> list[dict[str, Any]]:
+def notebook_file(trajectory: dict[str, Any], notebook_root: Path | None) -> Path | None:
+    """The file of a trajectory's notebook: its recorded path, absolute as `record` records
+    it, or relative to the Jupyter server's root as a server's kernel records it (resolved
+    against `notebook_root`; never against the current directory, which would attach whatever
+    notebook of that name lies there). None without a path, or a relative one and no root."""
+    path = trajectory.get("notebook_path")
+    if not path:
+        return None
+    file = Path(path)
+    if file.is_absolute():
+        return file
+    return notebook_root / file if notebook_root is not None else None
+
+
+def notebook_cell_rows(
+    trajectory: dict[str, Any],
+    pattern: str | None,
+    notebook_root: Path | None = None,
+    missing: list[str] | None = None,
+) -> list[dict[str, Any]]:
     """The cells of a trajectory's notebook file (what the browser has beside the executions),
-    redacted; none when the file is gone or unreadable (the live setting then lacks them)."""
+    redacted; none when the file is gone or unreadable (the live setting then lacks them),
+    which is then said in `missing` (one line per trajectory) when given."""
     import nbformat
 
-    path = trajectory.get("notebook_path")
-    if not path or not Path(path).is_file():
+    recorded = trajectory.get("notebook_path")
+    if not recorded:
+        return []  # (a console or script kernel: no notebook to offer)
+    path = notebook_file(trajectory, notebook_root)
+    if path is None:
+        if missing is not None:
+            missing.append(f"{trajectory['id']} ({recorded}: relative to the server's root)")
+        return []
+    if not path.is_file():
+        if missing is not None:
+            missing.append(f"{trajectory['id']} ({path}: not found)")
         return []
     try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception:  # noqa: BLE001 - any unreadable notebook just has no cells to offer
+        nb = nbformat.read(str(path), as_version=4)
+    except Exception as e:  # noqa: BLE001 - any unreadable notebook just has no cells to offer
+        if missing is not None:
+            missing.append(f"{trajectory['id']} ({path}: unreadable, {type(e).__name__})")
         return []
     rows = []
     for position, cell in enumerate(nb.cells):
@@ -174,6 +205,22 @@ def notebook_cell_rows(trajectory: dict[str, Any], pattern: str | None) -> list[
             }
         )
     return rows
+
+
+def _missing_notebooks(missing: list[str], notebook_root: Path | None) -> str:
+    """The warning naming the trajectories whose notebook cells are not in the dump."""
+    shown = "; ".join(missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
+    hint = ""
+    if notebook_root is None and any("relative to the server's root" in m for m in missing):
+        hint = (
+            " (a notebook recorded by a Jupyter server is named relative to the server's root:"
+            " pass --notebook-root DIR, that root)"
+        )
+    some = f"{len(missing)} trajector{'y' if len(missing) == 1 else 'ies'}"
+    return (
+        f"no notebook_cells for {some}, the notebook not found (the live setting lacks those"
+        f" cells): {shown}{hint}"
+    )
 
 
 def task_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -294,8 +341,11 @@ def export_dump(
     shard_rows: int = DEFAULT_SHARD_ROWS,
     pattern: str | None = None,
     force: bool = False,
+    notebook_root: Path | None = None,
 ) -> dict[str, Any]:
-    """Write the dump folder; returns its manifest."""
+    """Write the dump folder; returns its manifest. A trajectory's notebook recorded by a path
+    relative to the server's root is read from `notebook_root`; the trajectories whose notebook
+    could not be read are named in one warning on stderr."""
     total = sum(t["n_executions"] for t in trajectories)
     if force:
         check_replaceable(out)
@@ -312,6 +362,7 @@ def export_dump(
             ),
         }
         blobs: set[str] = set()
+        no_notebook: list[str] = []
         bar = progress(total, "export", unit="exec")
         try:
             for t in trajectories:
@@ -336,7 +387,7 @@ def export_dump(
                         blobs.update(row["output_blobs"])
                         blobs.update(v["blob_hash"] for v in row["variables"] if v["blob_hash"])
                     bar.update(1)
-                for r in notebook_cell_rows(t, pattern):
+                for r in notebook_cell_rows(t, pattern, notebook_root, no_notebook):
                     writers["notebook_cells"].write(r)
                 next_cell, output = task_rows(rows)
                 for r in next_cell:
@@ -347,6 +398,8 @@ def export_dump(
             bar.close()
             for w in writers.values():
                 w.close()
+        if no_notebook:
+            _warn(_missing_notebooks(no_notebook, notebook_root))
         missing = 0
         if blobs:
             folder = tmp / "blobs"
