@@ -67,6 +67,30 @@ class PredictionContext:
         return None
 
 
+def outputs_problem(outputs: Any) -> str | None:
+    """Why an execution's stored outputs are not what readers take them for, a list of
+    nbformat output objects (None: they are). The recorder writes them through the kernel's
+    own `json` module, which a cell can replace: a row may then hold `"patched"`."""
+    if not isinstance(outputs, list):
+        return f"a JSON {_json_kind(outputs)}, not a list of outputs"
+    for i, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            return f"output {i} is a JSON {_json_kind(out)}, not an object"
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "object" if isinstance(value, dict) else "array"
+
+
 def outputs_to_text(outputs: Sequence[dict[str, Any]], limit: int = 2000) -> str:
     """The text a person sees from nbformat outputs: streams, text/plain results, errors."""
     parts: list[str] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -143,6 +144,55 @@ def test_record_stops_at_an_error_without_allow_errors(tmp_path):
         "a = 1",
         "raise ValueError('boom')",
     ]
+
+
+def test_record_goes_on_with_the_next_notebook_when_nbclient_fails_mid_notebook(tmp_path):
+    """nbclient itself raising on what a cell sent back (here a display bundle nbformat rejects,
+    which a frontend would show) used to end `record` with a traceback, the notebooks after it
+    never run. That notebook is now reported as stopped with one line, the next one runs, and
+    the exit is 1."""
+    weird = (
+        "from IPython.display import display\n"
+        "display({'application/x-weird': {'a': 1}, 'text/plain': 'weird'}, raw=True)"
+    )
+    bad = write_notebook(tmp_path / "bad.ipynb", ["a = 1", weird, "print('after')"])
+    good = write_notebook(tmp_path / "good.ipynb", SECOND)
+    store = tmp_path / "s.sqlite"
+    assert not store.exists()
+    r = cli("record", str(bad), str(good), store=store)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    (said,) = [line for line in r.stderr.splitlines() if "stopped:" in line]
+    assert said.startswith(f"{bad}: trajectory ") and said.endswith(
+        "stopped: cell 2: nbclient failed: NotebookValidationError: {'a': 1} is not valid under"
+        " any of the given schemas"
+    ), said
+    assert f"{good}: trajectory " in r.stdout and "4 cells recorded" in r.stdout
+    with TrajectoryStore(store, readonly=True) as s:
+        trajs = _by_notebook(s)
+        assert set(trajs) == {"bad.ipynb", "good.ipynb"}
+        # The cells up to the one nbclient failed on are recorded; none after it ran.
+        assert [e["source"] for e in s.list_executions(trajs["bad.ipynb"]["id"])] == [
+            "a = 1",
+            weird,
+        ]
+        assert [e["source"] for e in s.list_executions(trajs["good.ipynb"]["id"])] == SECOND
+
+
+def test_record_refuses_a_notebook_whose_cell_source_is_not_text(tmp_path):
+    """A code cell whose "source" is a number passes nbformat's reading and made nbclient fail
+    mid-notebook (an empty trajectory, the next notebooks never run): it is refused up front,
+    like any other malformed notebook, before any kernel starts."""
+    good = write_notebook(tmp_path / "good.ipynb", SECOND)
+    numbered = tmp_path / "numbered.ipynb"
+    nb = json.loads(good.read_text())
+    nb["cells"][2]["source"] = 42
+    numbered.write_text(json.dumps(nb))
+    store = tmp_path / "s.sqlite"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    msg = _one_line_error(cli("record", str(good), str(numbered), store=store))
+    assert msg.endswith(f"{numbered} is not a Jupyter notebook: cell 2's source is int, not text")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no store: nothing ran
 
 
 # A cell that takes the store's write lock (and keeps it, as `held`), with the recorder told to
@@ -943,6 +993,190 @@ def test_bad_inputs(recorded, dump, tmp_path):
     assert not (tmp_path / "evaluation").exists()
     r = cli("record", "--help-me")  # argparse's own usage error: non-zero, on stderr
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_evaluate_refuses_a_damaged_dump_naming_the_file_and_line(dump, tmp_path):
+    """A dump cut short or damaged by hand used to be scored silently (a file cut to 5 rows
+    gave n=5, exit 0, where dump.json counts more) or to end in a traceback naming no file (a
+    line that is not JSON, a null target). Each is now one line naming the file and the line
+    (or the counts), exit 2, and no results folder."""
+    lines = {
+        name: (dump / f"{name}.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+        for name in ("executions", "output")
+    }
+    counts = json.loads((dump / "dump.json").read_text())["counts"]
+    assert len(lines["output"]) == counts["output"] > 5
+    assert len(lines["executions"]) == counts["executions"] > 5
+
+    def damaged(name: str, text: str) -> Path:
+        copy = tmp_path / f"dump-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(dump, copy)
+        (copy / f"{name}.jsonl").write_text(text, encoding="utf-8")
+        return copy
+
+    def evaluate(folder: Path) -> subprocess.CompletedProcess:
+        out = folder / "results"
+        return cli("evaluate", str(folder), "--backend", "retrieval", "--task", "output",
+                   "--out", str(out))  # fmt: skip
+
+    # Before: an untouched copy evaluates every instance.
+    intact = damaged("output", "".join(lines["output"]))
+    r = evaluate(intact)
+    assert r.returncode == 0, r.stderr
+    assert f"n={counts['output']} " in r.stdout, r.stdout
+
+    def refused(name: str, text: str) -> str:
+        folder = damaged(name, text)
+        r = evaluate(folder)
+        assert r.returncode == 2, r.stderr
+        msg = _one_line_error(r)
+        assert msg.startswith(f"jupyter-themisto: error: the dump is damaged: {folder}/"), msg
+        assert not (folder / "results").exists()
+        return msg.split(f"{folder}/", 1)[1]
+
+    output, executions = lines["output"], lines["executions"]
+    assert refused("output", "".join(output[:5])) == (
+        f"output.jsonl: 5 output rows, dump.json counts {counts['output']} "
+        "(cut short or changed since it was exported?)"
+    )
+    assert refused("executions", "".join(executions[:5])).startswith(
+        f"executions.jsonl: 5 executions rows, dump.json counts {counts['executions']} "
+    )
+    cut = "".join(executions[:5]) + executions[5][:40]
+    assert refused("executions", cut).startswith("executions.jsonl line 6: not valid JSON (")
+    n = len(output) + 1
+    said = refused("output", "".join(output) + "not json\n")
+    assert said == f"output.jsonl line {n}: not valid JSON (Expecting value)", said
+    row = json.loads(output[2])
+    null_target = "".join(output[:2] + [json.dumps({**row, "target": None}) + "\n"] + output[3:])
+    assert refused("output", null_target) == "output.jsonl line 3: 'target' is null, not a string"
+    renamed = json.loads(output[0])
+    renamed["src"] = renamed.pop("source")
+    said = refused("output", json.dumps(renamed) + "\n" + "".join(output[1:]))
+    assert said == "output.jsonl line 1: no 'source' field", said
+
+
+def _copy_store(store: Path, to: Path) -> Path:
+    """A copy of a store (through SQLite's backup, so a WAL's pages come too) and its key."""
+    src, dst = sqlite3.connect(store), sqlite3.connect(to)
+    with dst:
+        src.backup(dst)
+    src.close()
+    dst.close()
+    key = Path(f"{store}.key")
+    if key.exists():
+        shutil.copy2(key, f"{to}.key")
+    return to
+
+
+def test_export_and_show_go_on_past_a_row_whose_outputs_are_not_a_list(recorded, tmp_path):
+    """A cell can replace the kernel's `json.dumps`, through which the recorder writes outputs:
+    the row then holds valid JSON that is no list (`"patched"`). `export` and `show` used to end
+    in an AttributeError naming no row, so the whole store could not be exported. Such a row is
+    now told on stderr by its execution id and read with no outputs; the rest is as before."""
+    from jupyter_themisto.dump import read_manifest, read_table
+
+    store = _copy_store(recorded["store"], tmp_path / "s.sqlite")
+    with TrajectoryStore(store, readonly=True) as s:
+        tid = _by_notebook(s)["second.ipynb"]["id"]
+        upper = next(e for e in s.list_executions(tid) if e["source"] == "word.upper()")
+    assert upper["outputs"][0]["data"]["text/plain"] == "'HELLO'"
+
+    def export(out: Path) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
+        r = cli("export", "--out", str(out), store=store)
+        assert r.returncode == 0, r.stderr
+        rows = read_table(out, read_manifest(out), "executions")
+        return r, {row["execution_id"]: row for row in rows}
+
+    r, before = export(tmp_path / "before")
+    assert "warning" not in r.stderr and "HELLO" in before[upper["id"]]["output_text"]
+    r = cli("show", tid, store=store)
+    assert r.returncode == 0 and "HELLO" in r.stdout and "warning" not in r.stderr
+
+    with sqlite3.connect(store) as db:
+        db.execute("UPDATE executions SET outputs = ? WHERE id = ?", ('"patched"', upper["id"]))
+    db.close()
+    warning = (
+        f"jupyter-themisto: warning: execution {upper['id']} (trajectory {tid}, order"
+        f" {upper['order_index']}) has damaged outputs in the store (a JSON string, not a list"
+        " of outputs): exported with none"
+    )
+    r, after = export(tmp_path / "after")
+    assert "Traceback" not in r.stderr and warning in r.stderr.splitlines(), r.stderr
+    assert sorted(after) == sorted(before)
+    assert (after[upper["id"]]["outputs"], after[upper["id"]]["output_text"]) == ("[]", "")
+    del after[upper["id"]], before[upper["id"]]
+    assert after == before  # every other row exported as before
+    for args in ((), ("--json",)):
+        r = cli("show", tid, *args, store=store)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        (said,) = r.stderr.strip().splitlines()
+        assert said.startswith(f"jupyter-themisto: warning: execution {upper['id']} (order ")
+        assert said.endswith("(a JSON string, not a list of outputs): shown with none")
+        assert "word.upper()" in r.stdout and "HELLO" not in r.stdout
+    shown = json.loads(r.stdout)["executions"]
+    assert [e["outputs"] for e in shown if e["id"] == upper["id"]] == [[]]
+
+
+def test_export_reads_a_server_recorded_notebook_from_the_root_it_is_given(
+    recorded, dump, tmp_path
+):
+    """A server's kernel records its notebook relative to the server's root, which the store
+    does not keep. `export` used to read such a path from its own working directory: run
+    where another notebook of that name lies, the dump attached that notebook's cells to the
+    trajectory; run elsewhere, none, without a word. It now never reads a relative path from
+    the working directory: without --notebook-root one warning names the trajectory; with it,
+    the notebook's own cells are exported."""
+    from jupyter_themisto.dump import read_manifest, read_table
+
+    store = _copy_store(recorded["store"], tmp_path / "s.sqlite")
+    with TrajectoryStore(store, readonly=True) as s:
+        tid = _by_notebook(s)["analysis.ipynb"]["id"]
+
+    def cells(out: Path) -> dict[str, list]:
+        by: dict[str, list] = {}
+        for c in read_table(out, read_manifest(out), "notebook_cells"):
+            by.setdefault(c["trajectory_id"], []).append((c["position"], c["source"]))
+        return by
+
+    exported = cells(dump)  # before: recorded by `record`, the absolute path
+    assert len(exported[tid]) == len(ANALYSIS) + 1 and len(exported) == 2
+    with sqlite3.connect(store) as db:  # as a server's kernel records it, under its root
+        db.execute("UPDATE trajectories SET notebook_path = 'analysis.ipynb' WHERE id = ?", (tid,))
+    db.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_notebook(elsewhere / "analysis.ipynb", ["print('another notebook')"])
+
+    r = cli("export", "--out", str(tmp_path / "guessed"), store=store, cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    found = cells(tmp_path / "guessed")
+    assert tid not in found  # not the cells of elsewhere/analysis.ipynb
+    assert {k: v for k, v in exported.items() if k != tid} == found  # the other notebook's
+    warnings = [w for w in re.split(r"[\r\n]", r.stderr) if "warning" in w]
+    assert warnings == [
+        f"jupyter-themisto: warning: no notebook_cells for 1 trajectory, the notebook not found"
+        f" (the live setting lacks those cells): {tid} (analysis.ipynb: relative to the server's"
+        " root) (a notebook recorded by a Jupyter server is named relative to the server's root:"
+        " pass --notebook-root DIR, that root)"
+    ], r.stderr
+
+    r = cli("export", "--out", str(tmp_path / "rooted"), "--notebook-root", str(recorded["root"]),
+            store=store, cwd=elsewhere)  # fmt: skip
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    assert cells(tmp_path / "rooted") == exported
+    msg = _one_line_error(
+        cli(
+            "export",
+            "--out",
+            str(tmp_path / "x"),
+            "--notebook-root",
+            str(tmp_path / "no"),
+            store=store,
+        )  # fmt: skip
+    )
+    assert msg.endswith(f"--notebook-root {tmp_path / 'no'}: no such folder")
+    assert not (tmp_path / "x").exists()
 
 
 def _old_store(path: Path) -> None:

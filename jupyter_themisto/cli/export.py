@@ -57,6 +57,14 @@ def add_parsers(sub: Any) -> None:
         " store's key file missing, damaged or replaced); refused otherwise",
     )
     p.add_argument(
+        "--notebook-root",
+        metavar="DIR",
+        default=None,
+        help="the Jupyter server's root folder: notebooks a server recorded are named relative"
+        " to it (read from DIR for the dump's notebook_cells; without it they are left out,"
+        " with a warning)",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="replace an earlier export in DIR (refused if DIR holds anything else, such as"
@@ -79,6 +87,11 @@ def cmd_export(args: argparse.Namespace) -> int:
             redaction.compile_pattern(args.secret_pattern)
         except ValueError as e:
             raise CliError(str(e)) from e
+    notebook_root = None
+    if args.notebook_root is not None:
+        notebook_root = Path(args.notebook_root).expanduser().resolve()
+        if not notebook_root.is_dir():
+            raise CliError(f"--notebook-root {args.notebook_root}: no such folder")
     store = open_store(args)
     key = redaction.load_key(store.path, create=False)
     problem = redaction.key_problem(store.path, key, store.secret_digests())
@@ -106,6 +119,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         shard_rows=args.shard_rows,
         pattern=args.secret_pattern,
         force=args.force,
+        notebook_root=notebook_root,
     )
     print(
         f"exported {summary['counts']['executions']} executions of "

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import sys
 from typing import Any
 
 from ..console import CliError
-from ..context import outputs_to_text
+from ..context import outputs_problem, outputs_to_text
 from ._common import one_line, open_store, table
 
 
@@ -72,6 +73,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     store = open_store(args)
     t = resolve_trajectory(store, args.trajectory)
     rows = store.list_executions(t["id"])
+    for r in rows:
+        problem = outputs_problem(r["outputs"])
+        if problem is not None:
+            print(
+                f"jupyter-themisto: warning: execution {r['id']} (order {r['order_index']}) has"
+                f" damaged outputs in the store ({problem}): shown with none",
+                file=sys.stderr,
+            )
+            r["outputs"] = []
     if args.json:
         print(json.dumps({"trajectory": t, "executions": rows}, indent=2, default=str))
         return 0

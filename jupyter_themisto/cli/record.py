@@ -29,7 +29,7 @@ from ..kernel_client import (
     expression_value,
     silent_execute,
 )
-from ._common import open_store, store_path
+from ._common import one_line, open_store, store_path
 
 # Silent executes fire no pre/post_run_cell, so none of this is recorded; the expressions bind
 # no names, so nothing of ours shows up in the person's namespace or its snapshots.
@@ -84,6 +84,15 @@ def _read(path: Path) -> Any:
         nb = nbformat.read(str(path), as_version=4)
     except Exception as e:  # nbformat raises many kinds for a file that is not a notebook
         raise CliError(f"{path} is not a Jupyter notebook: {type(e).__name__}: {e}") from e
+    # nbformat reads a cell whose source is no text (a number, null, an object) without a word;
+    # nbclient then fails on it mid-notebook, after the cells above it ran.
+    for index, cell in enumerate(nb.get("cells", [])):
+        source = cell.get("source") if isinstance(cell, dict) else None
+        if not isinstance(source, str):
+            raise CliError(
+                f"{path} is not a Jupyter notebook: cell {index}'s source is "
+                f"{type(source).__name__}, not text"
+            )
     return nb
 
 
@@ -241,6 +250,15 @@ def record_notebook(
                     except DeadKernelError:
                         error = f"the kernel died in cell {index}"
                         return
+                    except Exception as e:
+                        # nbclient failing on what the cell sent back (an output nbformat
+                        # rejects, say): this notebook stops there, with what was recorded up
+                        # to it written, and the other notebooks still run.
+                        said = (str(e).strip().splitlines() or [""])[0]
+                        error = f"cell {index}: nbclient failed: " + one_line(
+                            f"{type(e).__name__}: {said}", 200
+                        )
+                        break
                     finally:
                         current["running"] = False
                         if stopped:  # (the cell ran to its end or was interrupted: recorded)

@@ -6,11 +6,13 @@ holding a dump's trajectories (the history a backend may learn from).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..console import CliError
 from ..context import build_context, runtime_lag
+from .schema import EXECUTION_FIELDS, NOTEBOOK_CELL_FIELDS, TASK_FIELDS, TRAJECTORY_FIELDS
 
 
 def read_manifest(dump: Path) -> dict[str, Any]:
@@ -28,20 +30,113 @@ def read_manifest(dump: Path) -> dict[str, Any]:
     return manifest
 
 
+# The fields each table's readers (evaluate, DumpContexts, train_store, the benchmarks) rely on:
+# a row lacking one, or holding null or another type there, is damage, said with its line.
+# (Only these: a dump an older version wrote may lack fields added since, which nobody reads.)
+_CHECKED = {
+    "executions": (
+        EXECUTION_FIELDS,
+        ("trajectory_id", "order_index", "source", "output_text", "outputs", "status"),
+    ),
+    "trajectories": (TRAJECTORY_FIELDS, ("trajectory_id",)),
+    "next_cell": (TASK_FIELDS, ("id", "task", "trajectory_id", "order_index", "n_context")),
+    "output": (TASK_FIELDS, ("id", "task", "trajectory_id", "order_index", "n_context")),
+    "notebook_cells": (NOTEBOOK_CELL_FIELDS, ("trajectory_id", "position", "cell_type", "source")),
+}
+_CHECKED_TASK_TEXT = ("source", "target")
+_PYTHON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+}
+
+
+def _expected(name: str) -> dict[str, str]:
+    """{field: JSON type} of the fields checked in table `name`'s rows."""
+    fields, checked = _CHECKED.get(name, ([], ()))
+    types = {field: jtype for field, jtype, *_ in fields}
+    out = {field: types[field] for field in checked}
+    if name in ("next_cell", "output"):
+        out.update({field: types[field] for field in _CHECKED_TASK_TEXT})
+    return out
+
+
+def _row_problem(row: Any, expected: dict[str, str]) -> str | None:
+    """What is wrong with one row (None: nothing)."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    for field, jtype in expected.items():
+        if field not in row:
+            return f"no {field!r} field"
+        value = row[field]
+        if value is None:
+            return f"{field!r} is null, not a {jtype}"
+        if isinstance(value, bool) or not isinstance(value, _PYTHON_TYPES[jtype]):
+            return f"{field!r} is a {type(value).__name__}, not a {jtype}"
+    return None
+
+
+def _lines(f: Any, path: Path) -> Iterator[tuple[int, str]]:
+    """(number, line) of a text file, from 1; bytes that are not UTF-8 are a CliError."""
+    n = 0
+    try:
+        for n, line in enumerate(f, 1):
+            yield n, line
+    except UnicodeDecodeError:
+        raise CliError(f"the dump is damaged: {path}: not UTF-8 text (after line {n})") from None
+
+
 def read_table(dump: Path, manifest: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    """All rows of one table of a dump, as plain dicts."""
+    """All rows of one table of a dump, as plain dicts.
+
+    A damaged file is a CliError naming it and the line (row, in a Parquet shard): a line that
+    is not JSON, a row lacking a field its readers need or holding null or another type there;
+    and so is a table with fewer or more rows than dump.json counts (a file cut short would
+    otherwise be scored as a smaller dump).
+    """
     rows: list[dict[str, Any]] = []
-    for file in manifest["files"].get(name, []):
+    expected = _expected(name)
+    files = manifest["files"].get(name, [])
+    for file in files:
         path = dump / file
         if not path.is_file():
             raise CliError(f"the dump is incomplete: {path} is missing")
         if file.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            rows.extend(pq.read_table(path).to_pylist())
+            try:
+                table = pq.read_table(path).to_pylist()
+            except Exception as e:  # pyarrow's errors for a file that is not Parquet vary
+                raise CliError(f"the dump is damaged: {path}: {type(e).__name__}: {e}") from e
+            for n, row in enumerate(table, 1):
+                problem = _row_problem(row, expected)
+                if problem:
+                    raise CliError(f"the dump is damaged: {path} row {n}: {problem}")
+                rows.append(row)
         else:
             with open(path, encoding="utf-8") as f:
-                rows.extend(json.loads(line) for line in f if line.strip())
+                for n, line in _lines(f, path):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        said = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                        raise CliError(
+                            f"the dump is damaged: {path} line {n}: not valid JSON ({said})"
+                        ) from None
+                    problem = _row_problem(row, expected)
+                    if problem:
+                        raise CliError(f"the dump is damaged: {path} line {n}: {problem}")
+                    rows.append(row)
+    counted = (manifest.get("counts") or {}).get(name)
+    if files and isinstance(counted, int) and not isinstance(counted, bool):
+        if len(rows) != counted:
+            where = ", ".join(str(dump / f) for f in files)
+            raise CliError(
+                f"the dump is damaged: {where}: {len(rows)} {name} rows, dump.json counts "
+                f"{counted} (cut short or changed since it was exported?)"
+            )
     return rows
 
 

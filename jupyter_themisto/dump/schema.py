@@ -234,7 +234,9 @@ Blobs written: {c["blobs"]} (missing from the store: {c["missing_blobs"]}).
 The **live setting** (`evaluate --setting live`) adds what the browser sends at the moment
 of the prediction, from `notebook_cells` (the notebook file's cells, as the trajectory's
 executions name them by `cell_id`): the markdown cells above the target cell and the cells
-below it. Trajectories whose notebook file was gone at export time have no such rows.
+below it. Trajectories whose notebook file was gone at export time have no such rows (nor do
+those a Jupyter server recorded, by a path relative to its root, when exported without
+`--notebook-root`).
 
 `jupyter themisto evaluate DIR --backend NAME --task next-cell|output` scores a backend on
 them (exact match after whitespace normalization, ROUGE-L, chrF, BLEU, and for next-cell

@@ -12,6 +12,7 @@ before the recorder replaced them may hold, is written as the frontend showed it
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from .. import redaction
 from .._version import __version__
 from ..console import CliError, progress
-from ..context import outputs_to_text
+from ..context import outputs_problem, outputs_to_text
 from ..files import atomic_dir, write_json
 from ..kernel.outputs import as_sent
 from .schema import (
@@ -47,6 +48,13 @@ def _encodable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_encodable(v) for v in value]
     return value
+
+
+def _warn(message: str) -> None:
+    """A warning on stderr, on its own line below a progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(f"jupyter-themisto: warning: {message}", file=sys.stderr)
 
 
 def _blob_refs(outputs: Iterable[dict[str, Any]]) -> list[str]:
@@ -83,6 +91,13 @@ def execution_rows(
         return blob_checked[digest]
 
     for e in store.list_executions(trajectory["id"]):
+        problem = outputs_problem(e["outputs"])
+        if problem is not None:
+            _warn(
+                f"execution {e['id']} (trajectory {trajectory['id']}, order {e['order_index']})"
+                f" has damaged outputs in the store ({problem}): exported with none"
+            )
+            e["outputs"] = []
         snap = store.get_snapshot(e["id"]) if snapshots != "none" else None
         variables = store.get_variables(e["id"]) if snap else []
         row = {
@@ -133,21 +148,50 @@ def execution_rows(
         yield row
 
 
+def notebook_file(trajectory: dict[str, Any], notebook_root: Path | None) -> Path | None:
+    """The file of a trajectory's notebook: its recorded path, absolute as `record` records
+    it, or relative to the Jupyter server's root as a server's kernel records it (resolved
+    against `notebook_root`; never against the current directory, which would attach whatever
+    notebook of that name lies there). None without a path, or a relative one and no root."""
+    path = trajectory.get("notebook_path")
+    if not path:
+        return None
+    file = Path(path)
+    if file.is_absolute():
+        return file
+    return notebook_root / file if notebook_root is not None else None
+
+
 def notebook_cell_rows(
-    trajectory: dict[str, Any], redactor: redaction.StoreRedactor
+    trajectory: dict[str, Any],
+    redactor: redaction.StoreRedactor,
+    notebook_root: Path | None = None,
+    missing: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """The cells of a trajectory's notebook file (what the browser has beside the executions),
     scrubbed as a prediction context is (the store's keyed hashes too: a value a kernel knew
     secret, written in a markdown cell); none when the file is gone or unreadable (the live
-    setting then lacks them)."""
+    setting then lacks them), which is then said in `missing` (one line per trajectory) when
+    given."""
     import nbformat
 
-    path = trajectory.get("notebook_path")
-    if not path or not Path(path).is_file():
+    recorded = trajectory.get("notebook_path")
+    if not recorded:
+        return []  # (a console or script kernel: no notebook to offer)
+    path = notebook_file(trajectory, notebook_root)
+    if path is None:
+        if missing is not None:
+            missing.append(f"{trajectory['id']} ({recorded}: relative to the server's root)")
+        return []
+    if not path.is_file():
+        if missing is not None:
+            missing.append(f"{trajectory['id']} ({path}: not found)")
         return []
     try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception:  # noqa: BLE001 - any unreadable notebook just has no cells to offer
+        nb = nbformat.read(str(path), as_version=4)
+    except Exception as e:  # noqa: BLE001 - any unreadable notebook just has no cells to offer
+        if missing is not None:
+            missing.append(f"{trajectory['id']} ({path}: unreadable, {type(e).__name__})")
         return []
     sources = []
     for cell in nb.cells:
@@ -165,6 +209,22 @@ def notebook_cell_rows(
             zip(nb.cells, redactor.scrub_texts(sources), strict=True)
         )
     ]
+
+
+def _missing_notebooks(missing: list[str], notebook_root: Path | None) -> str:
+    """The warning naming the trajectories whose notebook cells are not in the dump."""
+    shown = "; ".join(missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
+    hint = ""
+    if notebook_root is None and any("relative to the server's root" in m for m in missing):
+        hint = (
+            " (a notebook recorded by a Jupyter server is named relative to the server's root:"
+            " pass --notebook-root DIR, that root)"
+        )
+    some = f"{len(missing)} trajector{'y' if len(missing) == 1 else 'ies'}"
+    return (
+        f"no notebook_cells for {some}, the notebook not found (the live setting lacks those"
+        f" cells): {shown}{hint}"
+    )
 
 
 def task_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -285,8 +345,11 @@ def export_dump(
     shard_rows: int = DEFAULT_SHARD_ROWS,
     pattern: str | None = None,
     force: bool = False,
+    notebook_root: Path | None = None,
 ) -> dict[str, Any]:
-    """Write the dump folder; returns its manifest."""
+    """Write the dump folder; returns its manifest. A trajectory's notebook recorded by a path
+    relative to the server's root is read from `notebook_root`; the trajectories whose notebook
+    could not be read are named in one warning on stderr."""
     total = sum(t["n_executions"] for t in trajectories)
     if force:
         check_replaceable(out)
@@ -303,6 +366,7 @@ def export_dump(
             ),
         }
         blobs: set[str] = set()
+        no_notebook: list[str] = []
         bar = progress(total, "export", unit="exec")
         try:
             for t in trajectories:
@@ -327,7 +391,7 @@ def export_dump(
                         blobs.update(row["output_blobs"])
                         blobs.update(v["blob_hash"] for v in row["variables"] if v["blob_hash"])
                     bar.update(1)
-                for r in notebook_cell_rows(t, redactor):
+                for r in notebook_cell_rows(t, redactor, notebook_root, no_notebook):
                     writers["notebook_cells"].write(r)
                 next_cell, output = task_rows(rows)
                 for r in next_cell:
@@ -338,6 +402,8 @@ def export_dump(
             bar.close()
             for w in writers.values():
                 w.close()
+        if no_notebook:
+            _warn(_missing_notebooks(no_notebook, notebook_root))
         missing = 0
         if blobs:
             folder = tmp / "blobs"
