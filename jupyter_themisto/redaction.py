@@ -570,6 +570,8 @@ def key_problem(
 # A recorded value is looked for where it stands apart: the characters just before and just
 # after it are not letters or digits (or it starts or ends the text).
 _DELIMITER = re.compile(r"[^A-Za-z0-9]")
+# A terminal's colour or style sequence (`\x1b[31m`): its last letter stands apart too.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 _RUN = re.compile(r"\S+")
 
 
@@ -630,6 +632,8 @@ class DigestMatcher:
         """The substrings of text[start:end] of the given lengths with no letter or digit
         just before or just after them: between two such edges, n + 1 apart."""
         edges = [start - 1, *(m.start() for m in _DELIMITER.finditer(text, start, end)), end]
+        if "\x1b" in text:
+            edges += [m.end() - 1 for m in _ANSI.finditer(text, start, end)]
         edge_set = set(edges)
         for n in lengths:
             if n > end - start:

@@ -353,6 +353,22 @@ def test_digest_matcher_finds_values_at_word_starts_only():
     assert DigestMatcher(b"o" * 32, m_rows(key, values)).find(text) == set()
 
 
+def test_digest_matcher_finds_values_in_colour():
+    """A terminal's colour codes around a value (logging formatters, rich, termcolor) do not
+    hide it: the letter ending `\\x1b[31m` stands apart like a delimiter."""
+    key = b"k" * 32
+    m = DigestMatcher(key, m_rows(key, [SECRET]))
+    for text in (
+        f"\x1b[31m{SECRET}\x1b[0m",
+        f"\x1b[1;38;5;208mkey: \x1b[0m\x1b[1m{SECRET}",
+        f"[\x1b[32mINFO\x1b[0m] token=\x1b[4m{SECRET}\x1b[24m done",
+    ):
+        assert m.find(text) == {SECRET}, repr(text)
+        assert SECRET not in m.scrub(text) and "\x1b[" in m.scrub(text)
+    # (a value glued to letters that are not the end of a sequence stays unfound, as before)
+    assert m.find(f"xm{SECRET}") == set()
+
+
 def m_rows(key, values):
     return [(secret_digest(key, v), len(v), " " in v) for v in values]
 
