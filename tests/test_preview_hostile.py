@@ -625,6 +625,10 @@ CELLS: list[tuple[str, str]] = [
         "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0@MARK@-listen'); u.listen(1)\nprint('listening')",
     ),
     (
+        "use up the user's inotify instances (shared with every process of the user)",
+        "made = 0\nwhile libc.inotify_init1(0) >= 0 and made < 1000:\n    made += 1\nprint('inotify', made, errno.errorcode[ctypes.get_errno()])",
+    ),
+    (
         "a lease on a file the kernel reads",
         "import fcntl\nfd = os.open(rf.name, os.O_RDONLY)\ntry:\n    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)\n    print('leased')\nexcept OSError as e:\n    print('refused', errno.errorcode[e.errno])",
     ),
@@ -985,6 +989,7 @@ EXPECT = {
     "a forged reply of the wrong shapes written to the reply pipe": "x [I ServerApp] forged line",
     "innocent: a NaN in a display's metadata": "shown",
     "a lease on a file the kernel reads": "refused EPERM",
+    "use up the user's inotify instances (shared with every process of the user)": "inotify 0 EPERM",
 }
 
 

@@ -642,8 +642,7 @@ chown fchown lchown fchownat utime utimes utimensat futimesat truncate ftruncate
 fdatasync sync_file_range fadvise64 readahead flock dup dup2 dup3 pipe pipe2 mknod mknodat
 umask getxattr lgetxattr fgetxattr listxattr llistxattr flistxattr setxattr lsetxattr fsetxattr
 removexattr lremovexattr fremovexattr getxattrat listxattrat setxattrat removexattrat sendfile
-splice tee copy_file_range memfd_create inotify_init inotify_init1 inotify_add_watch
-inotify_rm_watch
+splice tee copy_file_range memfd_create
 brk mmap munmap mremap mprotect madvise mlock mlock2 munlock munlockall mincore msync membarrier
 mbind get_mempolicy set_mempolicy pkey_alloc pkey_free pkey_mprotect mseal
 exit exit_group wait4 waitid kill tkill tgkill rt_sigaction rt_sigprocmask rt_sigreturn
