@@ -647,6 +647,29 @@ class DigestMatcher:
         return text
 
 
+#: items of a list, tuple or column bound to a secret name that are learnt
+_SECRET_ITEMS = 100
+
+
+def _secret_values(value: Any, nested: bool = True) -> list[Any]:
+    """What a value bound to a secret name holds that may be printed: a string or bytes, a
+    number as printed (`password = 27182818284`), the strings and numbers of a list, tuple or
+    set (the first _SECRET_ITEMS). `learn` keeps those of a secret's length."""
+    if isinstance(value, (str, bytes, bytearray)):
+        return [value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [repr(value)]
+    if nested and type(value) in (list, tuple, set, frozenset):
+        return [v for item in islice(value, _SECRET_ITEMS) for v in _secret_values(item, False)]
+    return []
+
+
+def _is_frame(value: Any) -> bool:
+    """Whether `value` is a pandas DataFrame (told without importing pandas)."""
+    kind = type(value)
+    return kind.__name__ == "DataFrame" and kind.__module__.startswith("pandas")
+
+
 def _escaped_forms(value: str) -> list[str]:
     """The value as it reads inside a repr or a JSON string (quotes, backslashes, newlines),
     and each of those escaped for HTML (a DataFrame's table, `HTML(html.escape(…))`)."""
@@ -790,9 +813,7 @@ class KernelSecrets:
             self._secret_names = _secret_lines(text, self.pattern, regex)
             self._names_seen = (self.pattern, text)
         for name in self._secret_names:
-            value = namespace.get(name)
-            if isinstance(value, (str, bytes)):
-                self.learn(value)
+            self.learn_all(_secret_values(namespace.get(name)))
         budget = _MAX_DICT_ENTRIES
         for name in names:
             value = namespace.get(name)
@@ -801,6 +822,8 @@ class KernelSecrets:
                     budget -= self._observe_nested(value, regex, budget, 0, set())[0]
                 except RuntimeError:  # changed by another thread meanwhile: next cell
                     pass
+            elif _is_frame(value):
+                self._learn_columns(value, regex)
         # os.environ's own dict (bytes or str by platform) compares in C: most cells change none.
         data = getattr(os.environ, "_data", None)
         if data is None or data != self._environ:
@@ -859,9 +882,18 @@ class KernelSecrets:
             for key, item in islice(d.items(), budget):
                 if isinstance(key, str) and regex.search(key):
                     found = True
-                    if isinstance(item, (str, bytes)):
-                        self.learn(item)
+                    self.learn_all(_secret_values(item))
         return found
+
+    def _learn_columns(self, frame: Any, regex: re.Pattern[str]) -> None:
+        """Learn the values in a DataFrame's secret-named columns (`password`), the first
+        _SECRET_ITEMS of each."""
+        try:
+            columns = [c for c in frame.columns if isinstance(c, str) and regex.search(c)]
+            for column in columns[:_SECRET_ITEMS]:
+                self.learn_all(_secret_values(list(frame[column].head(_SECRET_ITEMS))))
+        except Exception:  # noqa: BLE001 - a frame that cannot be read so is not followed
+            pass
 
     # scrubbing ------------------------------------------------------------------------------
 

@@ -431,3 +431,32 @@ def test_a_secret_quoted_by_an_error_is_not_recorded_as_the_reason(store_path):
     assert reason.startswith("unpicklable: ValueError: cannot pickle, pw=") and REDACTED in reason
     assert value not in json.dumps(rows)
     assert value.encode() not in store_path.read_bytes()
+
+
+def test_secret_names_bound_to_other_than_a_string_are_followed(store_path):
+    """Values bound to secret names that are not plain strings: bytearray, a number, numbers
+    and strings in lists and nested dicts, a DataFrame's secret-named column. None is in the
+    store's file (sources, outputs, summaries, blobs); an ordinary number stays."""
+    planted = {
+        "ba": "baplanted0015",
+        "num": "27182818284",
+        "nested": "31415926535",
+        "listed": "listplanted0016",
+        "frame": "dfplanted0017",
+    }
+    cells = [
+        f"api_key = bytearray(b'{planted['ba']}')\nprint(api_key)",
+        f"password = {planted['num']}\nprint('pin', password, 123456)",
+        f"cfg = {{'db': {{'password': {planted['nested']}}}}}\nprint(cfg)",
+        f"users = {{'name': ['bob'], 'password': ['{planted['listed']}', 'other-value-9']}}\n"
+        "print(users)",
+        "import pandas as pd\n"
+        f"df = pd.DataFrame({{'user': ['bob'], 'password': ['{planted['frame']}']}})\ndf",
+        f"print({planted['num']} + 0, {planted['frame']!r})",
+    ]
+    rows, _ = run_recorded(store_path, cells, "typed")
+    data = b"".join(p.read_bytes() for p in store_path.parent.glob(store_path.name + "*"))
+    for name, value in planted.items():
+        assert value.encode() not in data, name
+        assert value not in json.dumps(rows), name
+    assert "123456" in json.dumps(rows)  # (a number bound to no secret name)
