@@ -32,6 +32,7 @@ import os
 import pickletools
 import re
 import secrets as _random
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import fields, is_dataclass, replace
 from functools import lru_cache, partial
@@ -665,9 +666,12 @@ def _secret_values(value: Any, nested: bool = True) -> list[Any]:
 
 
 def _is_frame(value: Any) -> bool:
-    """Whether `value` is a pandas DataFrame (told without importing pandas)."""
-    kind = type(value)
-    return kind.__name__ == "DataFrame" and kind.__module__.startswith("pandas")
+    """Whether `value` is a pandas DataFrame, told without importing pandas and without running
+    code of the person's: its type, exactly (an attribute of its class would go through a
+    metaclass of theirs, `isinstance` through a `__class__` of theirs, and a subclass of
+    theirs may override what is read of it)."""
+    frame = getattr(sys.modules.get("pandas"), "DataFrame", None)
+    return frame is not None and type(value) is frame
 
 
 def _escaped_forms(value: str) -> list[str]:
@@ -889,8 +893,11 @@ class KernelSecrets:
         """Learn the values in a DataFrame's secret-named columns (`password`), the first
         _SECRET_ITEMS of each."""
         try:
-            columns = [c for c in frame.columns if isinstance(c, str) and regex.search(c)]
-            for column in columns[:_SECRET_ITEMS]:
+            names = [c for c in islice(frame.columns, _MAX_DICT_ENTRIES) if isinstance(c, str)]
+            # (one search over the names joined: most frames name no secret)
+            if not _may_name_secret("\n".join(names), self.pattern, regex):
+                return
+            for column in [c for c in names if regex.search(c)][:_SECRET_ITEMS]:
                 self.learn_all(_secret_values(list(frame[column].head(_SECRET_ITEMS))))
         except Exception:  # noqa: BLE001 - a frame that cannot be read so is not followed
             pass
