@@ -655,12 +655,15 @@ _SECRET_ITEMS = 100
 def _secret_values(value: Any, nested: bool = True) -> list[Any]:
     """What a value bound to a secret name holds that may be printed: a string or bytes, a
     number as printed (`password = 27182818284`), the strings and numbers of a list, tuple or
-    set (the first _SECRET_ITEMS). `learn` keeps those of a secret's length."""
-    if isinstance(value, (str, bytes, bytearray)):
+    set (the first _SECRET_ITEMS). `learn` keeps those of a secret's length. Told by exact
+    type (a subclass of the person's, or an `isinstance` through their `__class__`, would run
+    their code in the kernel)."""
+    kind = type(value)
+    if kind in (str, bytes, bytearray):
         return [value]
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if kind in (int, float):
         return [repr(value)]
-    if nested and type(value) in (list, tuple, set, frozenset):
+    if nested and kind in (list, tuple, set, frozenset):
         return [v for item in islice(value, _SECRET_ITEMS) for v in _secret_values(item, False)]
     return []
 
