@@ -455,3 +455,112 @@ def test_a_progress_loop_records_its_last_frame_whole(kernel):
     assert sent.count("epoch ") == 60 and len(sent) > 64 * 1024  # over max_output_bytes
     (out,) = kernel.execution(done.msg_id)["outputs"]
     assert out["text"] == f"epoch 59 loss {1 / 60:.4f} " + "x" * 4000 + "\nFINAL: training done\n"
+
+
+# Cells that show a traceback (IPython's `_showtraceback`, an `error` message to the frontend)
+# without, or before, failing: each is recorded where the frontend shows it, the cell's own
+# exactly once, and the cell's status is its own. Each: the code, the kinds of the outputs a
+# notebook keeps, the status recorded.
+SHOWN_TRACEBACKS = {
+    "showtraceback": (
+        "try:\n    1/0\nexcept Exception:\n    get_ipython().showtraceback()\nprint('after tb')",
+        ["error", "stream"],
+        "ok",
+    ),
+    # IPython shows the formatter's traceback, then the result without text/html.
+    "failing formatter": (
+        "class R:\n    def _repr_html_(self): raise ValueError('html fails')\n"
+        "    def __repr__(self): return 'R()'\nR()",
+        ["error", "execute_result"],
+        "ok",
+    ),
+    "run_cell": (
+        "get_ipython().run_cell('print(\"inner\"); 1/0'); print('outer after')",
+        ["stream", "error", "stream"],
+        "ok",
+    ),
+    "repr that prints then raises": (
+        "class Bad:\n    def __repr__(self): print('repr side effect'); raise ValueError('no')\n"
+        "Bad()",
+        ["stream", "error"],
+        "ok",
+    ),
+    "shown, then the cell fails": (
+        "try:\n    {}['k']\nexcept KeyError:\n    get_ipython().showtraceback()\n"
+        "print('then')\nraise ValueError('own')",
+        ["error", "stream", "error"],
+        "error",
+    ),
+    "run_cell fails, then the cell": (
+        "get_ipython().run_cell('1/0'); print('between'); undefined_name",
+        ["error", "stream", "error"],
+        "error",
+    ),
+    "cleared, shown, printed": (
+        "from IPython.display import clear_output\nprint('gone')\nclear_output(wait=True)\n"
+        "try:\n    1/0\nexcept Exception:\n    get_ipython().showtraceback()\nprint('kept')",
+        ["error", "stream"],
+        "ok",
+    ),
+    "syntax error": ("def f(:\n    pass", ["error"], "error"),
+}
+
+
+def _as_notebook_keeps(outputs):
+    """The iopub messages a frontend got, as nbclient turns them into nbformat outputs (and
+    JupyterLab keeps them): consecutive stream text of one name in one output; a clear with
+    wait=True empties the outputs before the next one."""
+    from nbformat.v4 import output_from_msg
+
+    kept, waiting = [], False
+    for kind, content in outputs:
+        if kind == "clear_output":
+            if content.get("wait"):
+                waiting = True
+            else:
+                kept.clear()
+            continue
+        if waiting:
+            kept.clear()
+            waiting = False
+        out = output_from_msg({"msg_type": kind, "header": {"msg_type": kind}, "content": content})
+        if kind == "stream" and kept and kept[-1].get("name") == out["name"]:
+            kept[-1]["text"] += out["text"]
+        else:
+            kept.append(out)
+    return kept
+
+
+@pytest.mark.parametrize(
+    ("code", "kinds", "status"), SHOWN_TRACEBACKS.values(), ids=list(SHOWN_TRACEBACKS)
+)
+def test_every_traceback_shown_is_recorded_where_the_frontend_shows_it(kernel, code, kinds, status):
+    msg_id = kernel.send(code)
+    outputs = []
+    while True:  # (clear_output too, which `collect` leaves out)
+        msg = kernel.kc.get_iopub_msg(timeout=90)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+        if msg["msg_type"] in ("stream", "execute_result", "error", "clear_output"):
+            outputs.append((msg["msg_type"], msg["content"]))
+    while (reply := kernel.kc.get_shell_msg(timeout=90))["parent_header"]["msg_id"] != msg_id:
+        pass
+    shown = _as_notebook_keeps(outputs)
+    assert [o["output_type"] for o in shown] == kinds
+    row = kernel.execution(msg_id)
+    recorded = row["outputs"]
+    for out in recorded:
+        if out["output_type"] == "execute_result":
+            out["execution_count"] = None
+    for out in shown:
+        if out["output_type"] == "execute_result":
+            out["execution_count"] = None
+    assert recorded == shown
+    # The status is the cell's own: an error only if the cell itself failed. (ipykernel 7
+    # replies `error` also when a traceback was shown while a result was being formatted:
+    # the failing formatter, the raising `__repr__`; the recorder keeps the cell's own.)
+    assert row["status"] == status
+    if reply["content"]["status"] == "ok":
+        assert status == "ok"

@@ -460,3 +460,25 @@ def test_secret_names_bound_to_other_than_a_string_are_followed(store_path):
         assert value.encode() not in data, name
         assert value not in json.dumps(rows), name
     assert "123456" in json.dumps(rows)  # (a number bound to no secret name)
+
+
+def test_a_secret_in_a_traceback_a_cell_shows_without_failing_is_scrubbed(store_path):
+    """A cell that shows a traceback and goes on (`showtraceback()` in an `except`, an error
+    inside `run_cell`): the error outputs recorded for them have the secret value scrubbed from
+    their evalue and traceback, as every other output; the value is not in the store's file."""
+    value = "tbplanted-0018-value"
+    cells = [
+        f"db_password = {value!r}",
+        "try:\n    raise ValueError('login failed for ' + db_password)\n"
+        "except ValueError:\n    get_ipython().showtraceback()\nprint('went on')",
+        "get_ipython().run_cell('raise KeyError(db_password)')",
+    ]
+    rows, _ = run_recorded(store_path, cells, "shown")
+    shown, inner = rows[1]["outputs"][0], rows[2]["outputs"][0]
+    assert shown["output_type"] == inner["output_type"] == "error", rows
+    assert shown["evalue"] == f"login failed for {REDACTED}" and REDACTED in inner["evalue"]
+    assert any(REDACTED in line for line in shown["traceback"] + inner["traceback"])
+    assert rows[1]["outputs"][1]["text"] == "went on\n"
+    assert value not in json.dumps(rows)
+    data = b"".join(p.read_bytes() for p in store_path.parent.glob(store_path.name + "*"))
+    assert value.encode() not in data

@@ -10,13 +10,19 @@ What is captured, and from where (ipykernel >= 7.3, IPython >= 9.1):
 - `display_data` (and `update_display_data`, recorded as display_data with
   `metadata.themisto.update = true`): a hook on `shell.display_pub`. Hooks always return the
   message unchanged: the person sees exactly what they would without the recorder.
-- `error`: IPython's `history_manager.exceptions[execution_count]` (ename, evalue, traceback),
-  else formatted from the exception.
+- `error`: every traceback the shell shows during the cell, where it shows it: a wrapper around
+  `shell._showtraceback` (ipykernel's sends the `error` message the frontend shows, with the
+  same ename, evalue and traceback). That is the cell's own exception, and also the tracebacks
+  shown by a cell that does not fail: `showtraceback()` in an `except`, a formatter that raises
+  (IPython shows its traceback, then the result without that format), an error inside
+  `get_ipython().run_cell(...)`. A cell that failed without its exception being shown that way
+  gets it last (`error_output`): IPython's `history_manager.exceptions[execution_count]`, else
+  formatted from the exception.
 - `clear_output`: recorded as what the notebook keeps, as nbclient and JupyterLab apply it: the
   outputs so far vanish at once, or, with `wait=True`, just before the cell's next output
   arrives (the progress-bar pattern keeps only the last frame); a `wait=True` clear with no
   output after it in the cell clears nothing (`clear_pending` then says so, for the error
-  output the recorder adds after the cell: it comes after the clear).
+  output the recorder adds after the cell, if it adds one: it comes after the clear).
 
 Bounds: a text value longer than `max_output_bytes` keeps its head and ends with the visible
 marker `TRUNCATION_MARKER`; the execution's inline total is bounded by `max_execution_bytes`
@@ -56,6 +62,7 @@ import binascii
 import json
 import re
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -115,7 +122,12 @@ class OutputCapture:
         self.active = False
         # A `clear_output(wait=True)` waiting for the next output (see the module doc).
         self.clear_pending = False
+        # The last exceptions whose traceback was shown (and recorded) during the cell: the
+        # cell's own is shown at its end (only failing callbacks of its events after it). A
+        # few only: an exception holds its frames, and their locals, alive.
+        self.shown: deque[BaseException] = deque(maxlen=8)
         self._wrapped: dict[str, tuple[Any, Callable[..., Any], Callable[..., Any]]] = {}
+        self._traceback_hook: tuple[Any, Callable[..., Any]] | None = None
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -127,6 +139,7 @@ class OutputCapture:
         hook = getattr(self.shell, "displayhook", None)
         if hook is not None and hasattr(hook, "register_hook"):
             hook.register_hook(self._result_hook)
+        self._wrap_showtraceback()
 
     def remove_hooks(self) -> None:
         self.stop()
@@ -136,9 +149,22 @@ class OutputCapture:
         hook = getattr(self.shell, "displayhook", None)
         if hook is not None and hasattr(hook, "unregister_hook"):
             hook.unregister_hook(self._result_hook)
+        if self._traceback_hook is not None:
+            original, wrapper = self._traceback_hook
+            self._traceback_hook = None
+            # As for the streams: only if nobody wrapped on top of us since.
+            if vars(self.shell).get("_showtraceback") is wrapper:
+                try:
+                    if original is None:
+                        del self.shell._showtraceback
+                    else:
+                        self.shell._showtraceback = original
+                except Exception:
+                    pass
 
     def start(self) -> None:
         self.outputs = []
+        self.shown.clear()
         self.clear_pending = False
         self.active = True
         for name in ("stdout", "stderr"):
@@ -181,6 +207,53 @@ class OutputCapture:
         except Exception:
             return
         self._wrapped[name] = (stream, original, write)
+
+    def _wrap_showtraceback(self) -> None:
+        """Record each traceback the shell shows while a cell runs, as an `error` output.
+
+        IPython's `showtraceback` / `showsyntaxerror` end in `_showtraceback(etype, evalue,
+        stb)`; ipykernel's sends the frontend an `error` message of `ename = etype.__name__`,
+        `evalue = str(evalue)`, `traceback = stb` (what nbclient and JupyterLab keep). Recorded
+        after it returns: a traceback whose sending failed never reached the frontend either.
+        """
+        shell = self.shell
+        original = getattr(shell, "_showtraceback", None)
+        if original is None or self._traceback_hook is not None:
+            return
+        capture = self
+
+        def _showtraceback(etype: Any, evalue: Any, stb: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(etype, evalue, stb, *args, **kwargs)
+            if capture.active:
+                try:
+                    capture._add_error(etype, evalue, stb)
+                except Exception as e:
+                    capture._lost_output(e)
+            return result
+
+        try:
+            before = vars(shell).get("_showtraceback")
+            shell._showtraceback = _showtraceback
+        except Exception:
+            return
+        self._traceback_hook = (before, _showtraceback)
+
+    def _add_error(self, etype: Any, evalue: Any, stb: Any) -> None:
+        lines = stb if isinstance(stb, (list, tuple)) else [] if stb is None else [stb]
+        self._add(
+            {
+                "output_type": "error",
+                "ename": str(getattr(etype, "__name__", etype)),
+                "evalue": str(evalue),
+                "traceback": [str(t) for t in lines],
+            }
+        )
+        if isinstance(evalue, BaseException):
+            self.shown.append(evalue)
+
+    def showed(self, error: BaseException | None) -> bool:
+        """True if `error`'s traceback was shown, so recorded, during the cell."""
+        return error is not None and any(e is error for e in self.shown)
 
     def _add_stream(self, name: str, data: Any) -> None:
         shell = self.shell

@@ -518,7 +518,11 @@ class ThemistoRecorder(LoggingConfigurable):
             error = getattr(result, "error_before_exec", None) or getattr(
                 result, "error_in_exec", None
             )
-            if error is not None and self.capture.clear_pending:
+            # The cell's own traceback is recorded where it was shown (the capture's hook on
+            # `_showtraceback`); one that was not is added to the outputs later.
+            error_shown = self.capture.showed(error)
+            self.capture.shown.clear()
+            if error is not None and not error_shown and self.capture.clear_pending:
                 # The error output (added to them later) is the cell's next output: a
                 # `clear_output(wait=True)` before it clears the outputs before it.
                 raw_outputs = []
@@ -528,6 +532,7 @@ class ThemistoRecorder(LoggingConfigurable):
                 "current": current,
                 "result": result,
                 "raw_outputs": raw_outputs,
+                "error_shown": error_shown,
                 "wall": wall,
                 "cpu": cpu,
                 "after": after,
@@ -567,6 +572,7 @@ class ThemistoRecorder(LoggingConfigurable):
         cpu: float,
         after: int | None,
         peak: int | None,
+        error_shown: bool = False,
     ) -> None:
         error = getattr(result, "error_before_exec", None) or getattr(result, "error_in_exec", None)
         count = getattr(result, "execution_count", None)
@@ -576,7 +582,7 @@ class ThemistoRecorder(LoggingConfigurable):
             status = "interrupted"
         else:
             status = "error"
-        if error is not None:
+        if error is not None and not error_shown:
             raw_outputs = [*raw_outputs, error_output(self.shell, count, error)]
         if self._ensure_trajectory() is None:
             return
@@ -717,6 +723,7 @@ def _large(raw_outputs: list[dict[str, Any]]) -> bool:
         data = out.get("data")
         values = [
             *out.get("_parts", ()),
+            *out.get("traceback", ()),
             out.get("text"),
             *(data.values() if isinstance(data, dict) else ()),
         ]
