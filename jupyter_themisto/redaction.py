@@ -668,13 +668,13 @@ def _secret_values(value: Any, nested: bool = True) -> list[Any]:
     return []
 
 
-def _is_frame(value: Any) -> bool:
-    """Whether `value` is a pandas DataFrame, told without importing pandas and without running
-    code of the person's: its type, exactly (an attribute of its class would go through a
-    metaclass of theirs, `isinstance` through a `__class__` of theirs, and a subclass of
-    theirs may override what is read of it)."""
+def _frame_type() -> type | None:
+    """pandas' DataFrame if pandas is imported (never imported here). A frame is told by its
+    type, exactly: an attribute of its class would go through a metaclass of the person's,
+    `isinstance` through a `__class__` of theirs, and a subclass of theirs may override what is
+    read of it."""
     frame = getattr(sys.modules.get("pandas"), "DataFrame", None)
-    return frame is not None and type(value) is frame
+    return frame if isinstance(frame, type) else None
 
 
 def _escaped_forms(value: str) -> list[str]:
@@ -822,14 +822,16 @@ class KernelSecrets:
         for name in self._secret_names:
             self.learn_all(_secret_values(namespace.get(name)))
         budget = _MAX_DICT_ENTRIES
+        frame = _frame_type()
         for name in names:
             value = namespace.get(name)
-            if type(value) in _NESTED_SET and budget > 0:
+            kind = type(value)
+            if kind in _NESTED_SET and budget > 0:
                 try:
                     budget -= self._observe_nested(value, regex, budget, 0, set())[0]
                 except RuntimeError:  # changed by another thread meanwhile: next cell
                     pass
-            elif _is_frame(value):
+            elif kind is frame:
                 self._learn_columns(value, regex)
         # os.environ's own dict (bytes or str by platform) compares in C: most cells change none.
         data = getattr(os.environ, "_data", None)

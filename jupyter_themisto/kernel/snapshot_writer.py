@@ -131,9 +131,14 @@ class SnapshotWriter:
         records = [self.record(name, value, previous.get(name)) for name, value in variables]
         if self.secrets is not None:
             # A reason may quote an error's message, and a message may quote a secret value.
+            # (Most reasons recur: "a module", "too large: …")
+            scrubbed: dict[str, str] = {}
             for rec in records:
-                if rec.get("stub_reason"):
-                    rec["stub_reason"] = self.secrets.scrub(rec["stub_reason"])
+                reason = rec.get("stub_reason")
+                if reason:
+                    if reason not in scrubbed:
+                        scrubbed[reason] = self.secrets.scrub(reason)
+                    rec["stub_reason"] = scrubbed[reason]
         status = snapshot_status(records)
         sid = self.store.write_snapshot(
             execution_id,
