@@ -802,6 +802,38 @@ def test_a_variable_whose_pickling_raises_a_base_exception_is_a_stub(tmp_path, m
         k.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["fork", "inline"])
+def test_a_size_or_hash_of_the_persons_that_raises_a_base_exception_fails_no_snapshot(
+    tmp_path, mode
+):
+    """The cheap looks a snapshot takes before pickling — a value's size (its `__sizeof__`), a
+    frame's hash of its objects (their `__hash__`) — meet a SystemExit of the person's like any
+    error: that look tells nothing, the rest of the namespace is recorded."""
+    k = RecordingKernel(
+        tmp_path / f"{mode}.sqlite",
+        [f"--ThemistoRecorder.snapshot_mode={mode}", "--ThemistoRecorder.snapshot_delay=0"],
+    )
+    try:
+        done = k.run(
+            "import pandas as pd\n"
+            "class Sized:\n"
+            "    def __sizeof__(self): raise SystemExit(4)\n"
+            "class Hashed:\n"
+            "    def __hash__(self): raise SystemExit(5)\n"
+            "sized = Sized()\n"
+            "frame = pd.DataFrame({'o': [Hashed(), Hashed()]})\n"
+            "x = 1"
+        )
+        row = k.wait_snapshot(done.msg_id)
+        assert row["snapshot_status"] in ("ok", "partial"), row
+        v = k.variables(done.msg_id)
+        assert v["x"]["blob_hash"] is not None
+        assert {"sized", "frame"} <= set(v)
+        assert k.run("print(x)").outputs == [("stream", {"name": "stdout", "text": "1\n"})]
+    finally:
+        k.shutdown()
+
+
 def test_pressing_interrupt_during_an_inline_snapshot_still_stops_it(tmp_path):
     """A real interrupt is not taken for one raised by a variable's own code: the snapshot it
     lands in stops and is marked failed, as before; the kernel and the recorder go on."""

@@ -121,7 +121,9 @@ def fingerprint(value: Any) -> str | None:
         return None
     try:
         h = _fingerprint(value, xxhash)
-    except Exception:
+    except BaseException as e:  # noqa: B036 - a frame's objects' own __hash__: SystemExit too
+        if isinstance(e, KeyboardInterrupt):
+            raise  # (the person pressing interrupt, as likely as code raising it)
         return None
     return None if h is None else f"{type_name(value)}:{h}"
 
@@ -262,8 +264,9 @@ def identity_fingerprint(value: Any) -> str:
         attrs = getattr(value, "__dict__", None)
         if isinstance(attrs, dict) and len(attrs) <= 1000:
             parts.append(",".join(f"{k}:{id(v)}" for k, v in attrs.items()))
-    except Exception:
-        pass
+    except BaseException as e:  # noqa: B036 - the value's own __sizeof__: SystemExit too
+        if isinstance(e, KeyboardInterrupt):
+            raise  # (the person pressing interrupt, as likely as code raising it)
     return "ident:" + xxh3("|".join(parts).encode("utf-8", "surrogatepass"))
 
 
