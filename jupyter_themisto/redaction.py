@@ -1147,11 +1147,17 @@ class StoreRedactor:
         literal binds to a secret name in one of them is scrubbed from all (see scrub_context)."""
         found: list[str] = []
         out = [self.scrub_text(text, found) for text in texts]
+        bound = self._bound(found)
+        return [bound.scrub(text) for text in out] if bound is not None else out
+
+    def _bound(self, found: list[str]) -> KernelSecrets | None:
+        """The values of the secret literals `found` (by scrub_text) as secrets to follow
+        through the rest of a context, or None when there are none worth following."""
         if not found:
-            return out
+            return None
         bound = KernelSecrets(self.pattern)
         bound.learn_all(found)
-        return [bound.scrub(text) for text in out] if bound.values else out
+        return bound if bound.values else None
 
     def scrub_execution(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """An execution row (store shape) with its source, outputs and detail scrubbed."""
@@ -1204,11 +1210,8 @@ class StoreRedactor:
         self.refresh()
         found: list[str] = []
         out = self._scrub_dataclass(ctx, partial(self.scrub_text, found=found), self.scrub_variable)
-        if not found:
-            return out
-        bound = KernelSecrets(self.pattern)
-        bound.learn_all(found)
-        if not bound.values:
+        bound = self._bound(found)
+        if bound is None:
             return out
 
         def variable(record: Mapping[str, Any]) -> Mapping[str, Any]:

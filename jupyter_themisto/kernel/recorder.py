@@ -429,9 +429,10 @@ class ThemistoRecorder(LoggingConfigurable):
     def describe(self, error: BaseException) -> str:
         """`Type: message` of an error, without the secret values the kernel knows (an error
         of the person's objects, such as a `__reduce__` that fails, may quote one)."""
-        text = f"{type(error).__name__}: {str(error)[:300]}"
+        from .writer import describe
+
         try:
-            return self.secrets.scrub(text)
+            return self.secrets.scrub(describe(error))
         except Exception:
             return type(error).__name__
 

@@ -904,15 +904,13 @@ def namespace_memory(pid: int, scratch_fd: int | None, deadline: float | None = 
 
 
 def available_memory() -> int | None:
-    """The machine's available memory in bytes (MemAvailable), None where /proc cannot tell."""
+    """The machine's available memory in bytes (MemAvailable), None where it cannot be told."""
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
 
 
 def sysv_shared_memory() -> int:

@@ -298,7 +298,7 @@ class RecordWriter:
         except sqlite3.OperationalError as e:
             if not is_locked(e):
                 raise
-            self.last_error = f"a write waited past the lock: {_describe(e)}"
+            self.last_error = f"a write waited past the lock: {describe(e)}"
             self._keep(kept)
 
     def _keep(self, kept: _Kept) -> None:
@@ -345,7 +345,7 @@ class RecordWriter:
                 with self.fork_lock:
                     self.store = self._open_store(_BUSY_TIMEOUT)
             except BaseException as e:  # noqa: B036
-                self.last_error = f"cannot open the trajectory store: {_describe(e)}"
+                self.last_error = f"cannot open the trajectory store: {describe(e)}"
                 return None
             on_open, self._on_open = self._on_open, None
             if on_open is not None:
@@ -360,7 +360,7 @@ class RecordWriter:
             except sqlite3.IntegrityError:
                 pass  # already there (a retry after a commit whose answer was lost)
             except BaseException as e:  # noqa: B036
-                self.last_error = f"cannot create the trajectory: {_describe(e)}"
+                self.last_error = f"cannot create the trajectory: {describe(e)}"
                 return None
             del self._trajectories[tid]
             self._created[tid] = fields
@@ -422,7 +422,7 @@ class RecordWriter:
         except BaseException as e:  # noqa: B036 - the row is written without its outputs
             self._report("preparing the execution's outputs failed", e)
             record = dict(fallback)
-            record["detail"] = f"outputs not recorded: {_describe(e)}"
+            record["detail"] = f"outputs not recorded: {describe(e)}"
         try:
             self._locked(
                 partial(store.add_execution, trajectory_id, record, order_index=order_index)
@@ -442,7 +442,7 @@ class RecordWriter:
         self, trajectory_id: str, order_index: int, fallback: dict[str, Any], error: BaseException
     ) -> None:
         self.failures += 1
-        self.last_error = f"the execution could not be written: {_describe(error)}"
+        self.last_error = f"the execution could not be written: {describe(error)}"
         self._report("recording the execution failed", error)
         self._keep_lost(trajectory_id, order_index, fallback, self.last_error)
         if _is_broken(error):
@@ -488,14 +488,14 @@ class RecordWriter:
                 if known and self._locked(written) is None:
                     # Not a place taken (the execution written after all): its trajectory is
                     # missing from the file. Created again before the next try.
-                    self.last_error = f"the execution could not be written: {_describe(e)}"
+                    self.last_error = f"the execution could not be written: {describe(e)}"
                     self._trajectories[trajectory_id] = partial(
                         dict, self._created.pop(trajectory_id)
                     )
                     return
                 # (else that place is taken: the execution was written after all)
             except BaseException as e:  # noqa: B036
-                self.last_error = f"the execution could not be written: {_describe(e)}"
+                self.last_error = f"the execution could not be written: {describe(e)}"
                 if _is_broken(e):
                     self._reopen()
                 return
@@ -518,7 +518,8 @@ class RecordWriter:
             pass
 
 
-def _describe(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
+    """`Type: message` of an error, for a log line or a row's detail."""
     return f"{type(error).__name__}: {str(error)[:300]}"
 
 
